@@ -1,0 +1,151 @@
+"""Attention entry points: page selection, sparse decode, dense references, prefill.
+
+`implementation=None | "xla" | "pallas"` picks the kernel (None: Pallas on GPU,
+XLA elsewhere). Both compute the same function; the XLA path is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.state import CacheState, slot_positions
+from pallas_kernels.lookup import reference as lookup_ref
+from pallas_kernels.sparse_decode import reference as decode_ref
+
+IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def _resolve(implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation is None:
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return implementation
+
+
+def _ops(implementation):
+    """(page_scores, sparse_decode) for an implementation name."""
+    if _resolve(implementation) == "pallas":
+        from pallas_kernels.lookup import kernel as lookup_kernel
+        from pallas_kernels.sparse_decode import kernel as decode_kernel
+        return lookup_kernel.page_scores, decode_kernel.sparse_decode
+    return lookup_ref.page_scores, decode_ref.sparse_decode
+
+
+def group_queries(cfg: HiSparseConfig, q: jax.Array) -> jax.Array:
+    """[B, Hq, D] -> [B, Hkv, G, D]; query head i reads KV head i // G."""
+    return q.reshape(q.shape[0], cfg.num_kv_heads, cfg.gqa_group, cfg.head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
+    """The cold pages to attend per (sequence, KV head): a `bound_share` of the
+    budget by Quest's upper bound, the rest by page-centre score.
+
+    q [B, Hq, D] -> (logical pages [B, Hkv, K] int32, pool pages [B, Hkv, K] int32,
+    -1 where fewer than K cold pages exist). Sink, hot and warm pages have no page
+    table entry, so they are never candidates.
+    """
+    page_scores, _ = _ops(implementation)
+    bound, center = page_scores(group_queries(cfg, q), state.digest_min, state.digest_max,
+                                state.page_table)
+    k = min(cfg.budget_pages, cfg.max_pages)
+    k_bound = round(k * cfg.bound_share)
+    top_b, pages_b = jax.lax.top_k(bound, k_bound)
+    # Pages already taken by the bound are removed before ranking by centre.
+    b_i = jnp.arange(bound.shape[0])[:, None, None]
+    h_i = jnp.arange(bound.shape[1])[None, :, None]
+    center = center.at[b_i, h_i, pages_b].set(-jnp.inf)
+    top_c, pages_c = jax.lax.top_k(center, k - k_bound)
+    top = jnp.concatenate([top_b, top_c], axis=-1)
+    logical = jnp.concatenate([pages_b, pages_c], axis=-1)
+    ok = top > -jnp.inf  # NaN scores (NaN keys) stay in their own sequence
+    logical = jnp.where(ok, logical, -1).astype(jnp.int32)
+    pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
+    return logical, jnp.where(ok, pool, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation", "return_selection"))
+def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
+                     implementation=None, return_selection=False):
+    """HiSparse decode attention for one query per sequence, after its last append.
+
+    q: [B, Hq, D] -> out [B, Hq, D] float32 (zeros for empty sequences).
+    With return_selection, also the selected logical pages [B, Hkv, K].
+    """
+    _, sparse_decode = _ops(implementation)
+    logical, pool = select_pages(cfg, state, q, implementation=implementation)
+    bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
+    out, _ = sparse_decode(
+        group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
+        state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
+        state.int4_k, state.int4_v, state.int4_v_scale, state.int4_v_zero,
+        state.digest_min, state.digest_max, pool, sm_scale=1.0 / math.sqrt(cfg.head_dim))
+    out = out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
+    return (out, logical) if return_selection else out
+
+
+@jax.jit
+def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                           lengths: jax.Array) -> jax.Array:
+    """Exact attention on unquantized K/V: the quality and speed baseline.
+
+    q [B, Hq, D]; k, v [B, Hkv, S, D] (any float dtype, read as is); lengths [B].
+    returns [B, Hq, D] float32.
+    """
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d).astype(k.dtype)
+    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    logits = jnp.where(valid, logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    p = jnp.where(valid, p, 0.0)
+    out = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, hq, d)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def causal_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                             chunk: int = 512) -> jax.Array:
+    """Exact causal attention for a prompt, chunked so memory is O(chunk^2), not O(T^2).
+
+    q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D] float32. T must be a multiple of
+    `chunk` (pad the prompt; padded keys come after every real query, so causality
+    already hides them). Online softmax over key chunks, skipping chunks in the future.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    n = t // chunk
+    scale = 1.0 / math.sqrt(d)
+    qc = q.astype(jnp.float32).reshape(n, chunk, hkv, g, d)
+    kc = k.astype(jnp.float32).reshape(n, chunk, hkv, d)
+    vc = v.astype(jnp.float32).reshape(n, chunk, hkv, d)
+    local = jnp.arange(chunk)
+
+    def one_query_chunk(i, qi):
+        def body(j, carry):
+            m, l, acc = carry
+            s = jnp.einsum("qhgd,khd->hgqk", qi, kc[j]) * scale
+            causal = (j * chunk + local)[None, :] <= (i * chunk + local)[:, None]
+            s = jnp.where(causal, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            return (m_new, l * corr + jnp.sum(p, -1),
+                    acc * corr[..., None] + jnp.einsum("hgqk,khd->hgqd", p, vc[j]))
+
+        init = (jnp.full((hkv, g, chunk), -jnp.inf), jnp.zeros((hkv, g, chunk)),
+                jnp.zeros((hkv, g, chunk, d)))
+        _, l, acc = jax.lax.fori_loop(0, i + 1, body, init)
+        return (acc / l[..., None]).transpose(2, 0, 1, 3).reshape(chunk, hq, d)
+
+    out = jax.lax.map(lambda a: one_query_chunk(*a), (jnp.arange(n), qc))
+    return out.reshape(t, hq, d)

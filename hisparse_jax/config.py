@@ -1,0 +1,124 @@
+"""Frozen, self-validating configuration of one layer's HiSparse KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+FULL_BUDGET = -1  # budget_tokens value meaning "attend every cold page"
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseConfig:
+    """Shapes and tier sizes of one layer's cache. All sizes are in tokens.
+
+    Tiers by distance from the newest token (DESIGN.md §2.2), at page granularity:
+    sink = the first `sink_tokens` (rounded up to whole pages), hot = the newest
+    `hot_tokens` (bf16), warm = the next `warm_tokens` (fp8), cold = the rest (int4,
+    only `budget_tokens` worth of selected pages attended per KV head).
+    """
+
+    num_kv_heads: int = 8
+    gqa_group: int = 4  # query heads per KV head
+    head_dim: int = 128
+    page_size: int = 16
+    sink_tokens: int = 16
+    hot_tokens: int = 128
+    warm_tokens: int = 384  # warm covers 128..512 tokens back by default
+    budget_tokens: int = 2048  # cold tokens attended per KV head; FULL_BUDGET = all
+    value_group: int = 32  # channels sharing one int4 value scale/zero
+    # Share of the cold budget picked by Quest's upper bound (catches pages with a
+    # few spiking keys: needles); the rest goes to the best page-centre scores
+    # (ranks the spread mass of diffuse heads better). docs/selection.md measures it.
+    bound_share: float = 0.25
+    max_context: int = 131072  # tokens per sequence
+    max_seqs: int = 1
+    num_pool_pages: int | None = None  # cold page pool; None = max_seqs full contexts
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, why: str):
+            if not ok:
+                raise ValueError(f"HiSparseConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for f in ("num_kv_heads", "gqa_group", "head_dim", "page_size", "max_context", "max_seqs"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v >= 1, f, "must be a positive int")
+        for f in ("sink_tokens", "hot_tokens", "warm_tokens"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v >= 0, f, "must be a non-negative int")
+        p = self.page_size
+        need(p & (p - 1) == 0, "page_size", "must be a power of two")
+        need(self.head_dim % 2 == 0, "head_dim", "must be even (two int4 codes per byte)")
+        need(isinstance(self.value_group, int) and self.value_group >= 1
+             and (self.head_dim // 2) % self.value_group == 0,
+             "value_group", f"must divide head_dim/2={self.head_dim // 2}")
+        need(self.hot_tokens >= p and self.hot_tokens % p == 0, "hot_tokens",
+             f"must be a positive multiple of page_size={p}")
+        need(self.warm_tokens % p == 0, "warm_tokens", f"must be a multiple of page_size={p}")
+        need(isinstance(self.budget_tokens, int) and
+             (self.budget_tokens == FULL_BUDGET or
+              (self.budget_tokens >= 0 and self.budget_tokens % p == 0)),
+             "budget_tokens", f"must be a multiple of page_size={p} or FULL_BUDGET (-1)")
+        need(self.max_context % p == 0, "max_context", f"must be a multiple of page_size={p}")
+        need(isinstance(self.bound_share, (int, float)) and 0.0 <= self.bound_share <= 1.0,
+             "bound_share", "must be a number in [0, 1]")
+        if self.num_pool_pages is not None:
+            need(isinstance(self.num_pool_pages, int) and self.num_pool_pages >= 1,
+                 "num_pool_pages", "must be a positive int or None")
+
+    # Derived sizes (pages). Sink pages are whole pages so tiers never share a page.
+    @property
+    def num_q_heads(self) -> int:
+        return self.num_kv_heads * self.gqa_group
+
+    @property
+    def sink_pages(self) -> int:
+        return math.ceil(self.sink_tokens / self.page_size)
+
+    @property
+    def hot_pages(self) -> int:
+        return self.hot_tokens // self.page_size
+
+    @property
+    def warm_pages(self) -> int:
+        return self.warm_tokens // self.page_size
+
+    @property
+    def max_pages(self) -> int:
+        """Logical pages per sequence (page-table width)."""
+        return self.max_context // self.page_size
+
+    @property
+    def pool_pages(self) -> int:
+        if self.num_pool_pages is not None:
+            return self.num_pool_pages
+        return self.max_seqs * max(1, self.max_pages - self.sink_pages - self.hot_pages
+                                   - self.warm_pages)
+
+    @property
+    def budget_pages(self) -> int:
+        """Cold pages attended per KV head (top-k size)."""
+        most = max(1, self.max_pages - self.sink_pages - self.hot_pages - self.warm_pages)
+        if self.budget_tokens == FULL_BUDGET:
+            return most
+        return min(self.budget_tokens // self.page_size, most)
+
+    def replace(self, **changes) -> "HiSparseConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, HiSparseConfig] = {
+    # DESIGN defaults: Llama-3-8B KV shapes, page 16, ~2K-token cold budget.
+    "default": HiSparseConfig(),
+    "llama3-8b-1m": HiSparseConfig(max_context=1 << 20),
+    "page32": HiSparseConfig(page_size=32),
+    "page64": HiSparseConfig(page_size=64, sink_tokens=64),
+    # Smaller hot window and budget for memory pressure (the scheduler's target).
+    "tight": HiSparseConfig(hot_tokens=64, budget_tokens=1024),
+}
+
+
+def preset(name: str, **overrides) -> HiSparseConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,182 @@
+"""Quality of HiSparse against exact dense attention (DESIGN §4 definitions).
+
+For N decode queries at position S over S cached tokens, per (query, query head):
+- recall: exact softmax mass on the tokens HiSparse attends;
+- rel_error: ||o_hisparse - o_dense|| / ||o_dense||, split into selection error
+  (vs the same quantized cache with every page attended) and quantization error
+  (that all-pages output vs dense);
+- top10_recall: share of the 10 heaviest tokens attended;
+- oracle_recall: recall of an oracle that, under the same budget and per KV head,
+  keeps the cold pages with the most true mass (sink/hot/warm as HiSparse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax import layout
+from hisparse_jax.attention import decode_attention, dense_decode_attention
+from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
+from hisparse_jax.state import slot_positions
+
+
+def config_for(cfg: HiSparseConfig, k: np.ndarray, gqa_group: int) -> HiSparseConfig:
+    """`cfg` reshaped to hold one sequence of k [S, Hkv, D]."""
+    s, hkv, d = k.shape
+    pg = cfg.page_size
+    return cfg.replace(num_kv_heads=hkv, gqa_group=gqa_group, head_dim=d, max_seqs=1,
+                       max_context=max(pg, -(-s // pg) * pg), num_pool_pages=None)
+
+
+def _dense_weights(q, k, chunk=8):
+    """Exact softmax weights [N, Hq, S] (float32), a few queries at a time."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    kk = jnp.asarray(k).transpose(1, 0, 2)  # [Hkv, S, D]
+
+    @jax.jit
+    def weights(qc):
+        qg = qc.reshape(qc.shape[0], hkv, hq // hkv, d)
+        logits = jnp.einsum("nhgd,hsd->nhgs", qg, kk) / math.sqrt(d)
+        return jax.nn.softmax(logits, axis=-1).reshape(qc.shape[0], hq, -1)
+
+    return np.concatenate([np.asarray(weights(jnp.asarray(q[i:i + chunk])))
+                           for i in range(0, n, chunk)])
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """Per (query, query head) arrays, plus what was attended."""
+    recall: np.ndarray          # [N, Hq]
+    oracle_recall: np.ndarray   # [N, Hq]
+    rel_error: np.ndarray       # [N, Hq]
+    selection_error: np.ndarray  # [N, Hq]
+    quant_error: np.ndarray     # [N, Hq]
+    top10_recall: np.ndarray    # [N, Hq]
+    attended_fraction: float
+    selected_pages: np.ndarray  # [N, Hkv, K] logical pages (-1 = none)
+    config: HiSparseConfig
+
+    def summary(self, heads=None) -> dict:
+        """Metrics over the given query heads (all by default)."""
+        sel = slice(None) if heads is None else np.asarray(heads)
+
+        def m(x):
+            return x[:, sel].ravel()
+        cap = layout.capacity_report(self.config, self.config.max_context)
+        return {
+            "recall_mean": float(m(self.recall).mean()),
+            "recall_p5": float(np.percentile(m(self.recall), 5)),
+            "oracle_recall_mean": float(m(self.oracle_recall).mean()),
+            "recall_vs_oracle": float(m(self.recall).mean() / max(m(self.oracle_recall).mean(),
+                                                                 1e-12)),
+            "rel_error_mean": float(m(self.rel_error).mean()),
+            "rel_error_p95": float(np.percentile(m(self.rel_error), 95)),
+            "selection_error_mean": float(m(self.selection_error).mean()),
+            "quant_error_mean": float(m(self.quant_error).mean()),
+            "quant_error_p95": float(np.percentile(m(self.quant_error), 95)),
+            "top10_recall": float(m(self.top10_recall).mean()),
+            "attended_fraction": self.attended_fraction,
+            "device_bytes_per_token": cap["device_bytes_per_token"],
+            "capacity_vs_bf16": cap["capacity_vs_bf16"],
+        }
+
+
+def _attend_all(cfg, state, q, implementation):
+    def one(qi):
+        return decode_attention(cfg, state, qi[None], implementation=implementation,
+                                return_selection=True)
+    outs, sel = [], []
+    for i in range(q.shape[0]):  # one query at a time keeps memory flat at 1M tokens
+        o, s = one(jnp.asarray(q[i]))
+        outs.append(np.asarray(o[0]))
+        sel.append(np.asarray(s[0]))
+    return np.stack(outs), np.stack(sel)
+
+
+def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *,
+             implementation=None) -> Evaluation:
+    """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D]."""
+    q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+    n, hq, d = q.shape
+    s, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    g = hq // hkv
+    cfg = config_for(cfg, k, g)
+    cache = HiSparseCache(cfg, implementation)
+    cache.prefill(0, k, v)
+    out, selected = _attend_all(cfg, cache.state, q, implementation)
+    full_cfg = cfg.replace(budget_tokens=FULL_BUDGET)
+    out_all, _ = _attend_all(full_cfg, cache.state, q, implementation)
+    kd = jnp.asarray(k).transpose(1, 0, 2)[None]
+    vd = jnp.asarray(v).transpose(1, 0, 2)[None]
+    dense = np.stack([np.asarray(dense_decode_attention(jnp.asarray(q[i:i + 1]), kd, vd,
+                                                        jnp.array([s]))[0]) for i in range(n)])
+
+    # Attended token mask [N, Hkv, S]: live bf16/fp8 slots for every query, plus
+    # the tokens of each selected cold page.
+    bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
+    always = np.zeros(s, bool)
+    for p in (bf16_pos, fp8_pos):
+        always[p[p >= 0]] = True
+    pg = cfg.page_size
+    page_mask = np.zeros((n, hkv, cfg.max_pages), bool)
+    ni, hi, ki = np.nonzero(selected >= 0)
+    page_mask[ni, hi, selected[ni, hi, ki]] = True
+    attended = np.repeat(page_mask, pg, axis=2)[:, :, :s] | always[None, None, :]
+    attended_q = np.repeat(attended, g, axis=1)  # [N, Hq, S]
+
+    w = _dense_weights(q, k)  # [N, Hq, S]
+    recall = np.sum(np.where(attended_q, w, 0.0), axis=-1)
+    top10 = np.argsort(-w, axis=-1)[..., :10]
+    top10_recall = np.take_along_axis(attended_q, top10, axis=-1).mean(-1)
+
+    # Oracle: per KV head, the cold pages with the most true mass (summed over the group).
+    cold = ~always
+    npg = -(-s // pg)
+    wpad = np.pad(np.where(cold[None, None], w, 0.0), ((0, 0), (0, 0), (0, npg * pg - s)))
+    page_mass = wpad.reshape(n, hkv, g, npg, pg).sum(axis=(2, 4))  # [N, Hkv, npg]
+    kb = min(cfg.budget_pages, npg)
+    best = np.argsort(-page_mass, axis=-1)[..., :kb]
+    oracle_pages = np.zeros((n, hkv, npg), bool)
+    np.put_along_axis(oracle_pages, best, True, axis=-1)
+    oracle_pages &= page_mass > 0
+    oracle_att = np.repeat(oracle_pages, pg, axis=2)[:, :, :s] | always[None, None, :]
+    oracle_recall = np.sum(np.where(np.repeat(oracle_att, g, axis=1), w, 0.0), axis=-1)
+
+    def rel(a, b):
+        return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
+
+    return Evaluation(
+        recall=recall, oracle_recall=oracle_recall, rel_error=rel(out, dense),
+        selection_error=rel(out, out_all), quant_error=rel(out_all, dense),
+        top10_recall=top10_recall, attended_fraction=float(attended.mean()),
+        selected_pages=selected, config=cfg)
+
+
+def needle_pages_hit(ev: Evaluation, targets: np.ndarray) -> tuple[int, int]:
+    """(needle cold pages selected, needle cold pages) over all retrieval queries.
+    targets [N, Hq, 2] token spans (start, end), -1 where the head asks for none."""
+    cfg = ev.config
+    pg, g = cfg.page_size, cfg.gqa_group
+    s = cfg.max_context
+    bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
+    hit = total = 0
+    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
+        start, end = targets[n, hq]
+        chosen = set(ev.selected_pages[n, hq // g].tolist())
+        for p in range(start // pg, (end - 1) // pg + 1):
+            live = np.any((bf16_pos // pg == p) & (bf16_pos >= 0)) or \
+                np.any((fp8_pos // pg == p) & (fp8_pos >= 0))
+            if live:
+                continue  # never a candidate: attended anyway
+            total += 1
+            hit += p in chosen
+    return hit, total

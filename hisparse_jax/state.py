@@ -1,0 +1,253 @@
+"""Paged, tiered KV cache state for one layer, and the pure functions that fill it.
+
+Layout (B = max_seqs, P = pool pages, Tb = sink + hot tokens, Tw = warm tokens):
+- bf16 tier: per-sequence slots, the sink pages first, then a ring of hot pages.
+- fp8 tier: per-sequence ring of warm pages, one scale per token per head.
+- int4 tier: a shared pool of cold pages, reached through a page table; each pool
+  page also holds the page's key digest (per-channel min/max).
+Tier membership is a function of the sequence length only (see `slot_positions`),
+so nothing but `seq_lens` records it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from hisparse_jax.config import HiSparseConfig
+from pallas_kernels.quant import (FP8_DTYPE, decode_fp8, encode_cold_keys, encode_cold_values,
+                                  encode_fp8)
+
+
+@struct.dataclass
+class CacheState:
+    bf16_k: jax.Array        # [B, Hkv, Tb, D] bf16: sink slots, then the hot ring
+    bf16_v: jax.Array        # [B, Hkv, Tb, D] bf16
+    fp8_k: jax.Array         # [B, Hkv, Tw, D] float8_e4m3fn: warm ring
+    fp8_v: jax.Array         # [B, Hkv, Tw, D] float8_e4m3fn
+    fp8_k_scale: jax.Array   # [B, Hkv, Tw] f32
+    fp8_v_scale: jax.Array   # [B, Hkv, Tw] f32
+    int4_k: jax.Array        # [P, Hkv, page, D/2] uint8: cold pool, keys per channel per page
+    int4_v: jax.Array        # [P, Hkv, page, D/2] uint8: values per token in groups
+    int4_v_scale: jax.Array  # [P, Hkv, page, D/group] bf16
+    int4_v_zero: jax.Array   # [P, Hkv, page, D/group] bf16
+    digest_min: jax.Array    # [P, Hkv, D] bf16: per-channel key min of the page
+    digest_max: jax.Array    # [P, Hkv, D] bf16
+    page_table: jax.Array    # [B, max_pages] int32: logical page -> pool page, -1 if not cold
+    seq_lens: jax.Array      # [B] int32
+    free_pages: jax.Array    # [P] int32: stack of free pool pages, top at num_free - 1
+    num_free: jax.Array      # [] int32
+
+
+def init_state(cfg: HiSparseConfig) -> CacheState:
+    b, h, d, pg = cfg.max_seqs, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+    tb = (cfg.sink_pages + cfg.hot_pages) * pg
+    tw = cfg.warm_pages * pg
+    p = cfg.pool_pages
+    ng = d // cfg.value_group
+    z = jnp.zeros
+    return CacheState(
+        bf16_k=z((b, h, tb, d), jnp.bfloat16), bf16_v=z((b, h, tb, d), jnp.bfloat16),
+        fp8_k=z((b, h, tw, d), FP8_DTYPE), fp8_v=z((b, h, tw, d), FP8_DTYPE),
+        fp8_k_scale=z((b, h, tw), jnp.float32), fp8_v_scale=z((b, h, tw), jnp.float32),
+        int4_k=z((p, h, pg, d // 2), jnp.uint8), int4_v=z((p, h, pg, d // 2), jnp.uint8),
+        int4_v_scale=z((p, h, pg, ng), jnp.bfloat16), int4_v_zero=z((p, h, pg, ng), jnp.bfloat16),
+        digest_min=z((p, h, d), jnp.bfloat16), digest_max=z((p, h, d), jnp.bfloat16),
+        page_table=jnp.full((b, cfg.max_pages), -1, jnp.int32),
+        seq_lens=z((b,), jnp.int32),
+        free_pages=jnp.arange(p - 1, -1, -1, dtype=jnp.int32),  # page 0 popped first
+        num_free=jnp.array(p, jnp.int32),
+    )
+
+
+# ---------------------------------------------------------------- tier geometry
+
+def slot_positions(cfg: HiSparseConfig, seq_lens: jax.Array):
+    """Token position held by every bf16 and fp8 slot, -1 where the slot is not live.
+
+    seq_lens [B] -> (bf16_pos [B, Tb], fp8_pos [B, Tw]) int32.
+    Hot pages are the newest `hot_pages` pages (the last one may be partial); warm
+    pages the `warm_pages` before them; both rings index pages from the first page
+    after the sink, so a page keeps its slot while it stays in a tier.
+    """
+    pg, s, h, w = cfg.page_size, cfg.sink_pages, cfg.hot_pages, cfg.warm_pages
+    L = seq_lens[:, None]
+    last = (L - 1) // pg  # page of the newest token (-1 when empty)
+    sink_pos = jnp.arange(s * pg)[None, :]
+    sink_pos = jnp.where(sink_pos < L, sink_pos, -1)
+
+    r, o = jnp.arange(h * pg) // pg, jnp.arange(h * pg) % pg
+    hot_page = last - jnp.mod(last - s - r[None, :], h)
+    hot_pos = hot_page * pg + o[None, :]
+    hot_pos = jnp.where((hot_page >= s) & (hot_pos < L), hot_pos, -1)
+
+    r, o = jnp.arange(w * pg) // pg, jnp.arange(w * pg) % pg
+    top = last - h  # newest warm page
+    warm_page = top - jnp.mod(top - s - r[None, :], max(w, 1))
+    warm_pos = jnp.where(warm_page >= s, warm_page * pg + o[None, :], -1)
+    return (jnp.concatenate([sink_pos, hot_pos], axis=1).astype(jnp.int32),
+            warm_pos.astype(jnp.int32))
+
+
+def num_cold_pages(cfg: HiSparseConfig, length):
+    """Cold pages of a sequence of `length` tokens (numpy or jax ints)."""
+    last = (length - 1) // cfg.page_size
+    n = last - cfg.hot_pages - cfg.warm_pages - cfg.sink_pages + 1
+    return n * (n > 0)
+
+
+# ---------------------------------------------------------------- prefill
+
+def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
+    """Encode whole pages [n, Hkv, page, D] (f32) into pool pages `pool_ids` [n]
+    (entries >= pool size are dropped)."""
+    kq, dmin, dmax = encode_cold_keys(k_pages)
+    vq, vs, vz = encode_cold_values(v_pages, cfg.value_group)
+
+    def put(pool, val):
+        return pool.at[pool_ids].set(val.astype(pool.dtype), mode="drop")
+
+    return state.replace(
+        int4_k=put(state.int4_k, kq), int4_v=put(state.int4_v, vq),
+        int4_v_scale=put(state.int4_v_scale, vs), int4_v_zero=put(state.int4_v_zero, vz),
+        digest_min=put(state.digest_min, dmin), digest_max=put(state.digest_max, dmax))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array,
+            v: jax.Array, length: jax.Array) -> CacheState:
+    """Fill the empty sequence `seq` with the first `length` tokens of k, v.
+
+    k, v: [T, Hkv, D] with T a multiple of page_size (padding after `length` is
+    ignored, whatever it holds). Every page goes straight to its final tier,
+    encoded from the bf16 source. The caller (HiSparseCache) checks the inputs and
+    the pool; this function trusts them.
+    """
+    pg, s = cfg.page_size, cfg.sink_pages
+    t = k.shape[0]
+    npg = t // pg
+    tok_valid = jnp.arange(t) < length
+    k = jnp.where(tok_valid[:, None, None], k.astype(jnp.float32), 0.0)
+    v = jnp.where(tok_valid[:, None, None], v.astype(jnp.float32), 0.0)
+    # [npg, Hkv, page, D]
+    k_pages = k.reshape(npg, pg, *k.shape[1:]).transpose(0, 2, 1, 3)
+    v_pages = v.reshape(npg, pg, *v.shape[1:]).transpose(0, 2, 1, 3)
+    flat_k = k.transpose(1, 0, 2)  # [Hkv, T, D]
+    flat_v = v.transpose(1, 0, 2)
+
+    bf16_pos, fp8_pos = slot_positions(cfg, length[None])
+    bf16_pos, fp8_pos = bf16_pos[0], fp8_pos[0]
+
+    def gather(x, pos):  # [Hkv, T, D] at positions (invalid -> 0)
+        return jnp.where((pos >= 0)[None, :, None], x[:, jnp.clip(pos, 0, t - 1)], 0.0)
+
+    bf16_k = gather(flat_k, bf16_pos).astype(jnp.bfloat16)
+    bf16_v = gather(flat_v, bf16_pos).astype(jnp.bfloat16)
+    fk, fks = encode_fp8(gather(flat_k, fp8_pos))
+    fv, fvs = encode_fp8(gather(flat_v, fp8_pos))
+
+    n_cold = num_cold_pages(cfg, length)
+    j = jnp.arange(npg) - s  # rank of page among cold pages
+    is_cold = (j >= 0) & (j < n_cold)
+    pool_ids = jnp.where(is_cold, state.free_pages[jnp.clip(state.num_free - 1 - j, 0)],
+                         cfg.pool_pages)
+    state = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids)
+    table_row = jnp.full((cfg.max_pages,), -1, jnp.int32)
+    table_row = table_row.at[jnp.arange(npg)].set(
+        jnp.where(is_cold, pool_ids, -1).astype(jnp.int32), mode="drop")
+    return state.replace(
+        bf16_k=state.bf16_k.at[seq].set(bf16_k), bf16_v=state.bf16_v.at[seq].set(bf16_v),
+        fp8_k=state.fp8_k.at[seq].set(fk), fp8_v=state.fp8_v.at[seq].set(fv),
+        fp8_k_scale=state.fp8_k_scale.at[seq].set(fks),
+        fp8_v_scale=state.fp8_v_scale.at[seq].set(fvs),
+        page_table=state.page_table.at[seq].set(table_row),
+        seq_lens=state.seq_lens.at[seq].set(length),
+        num_free=state.num_free - n_cold)
+
+
+# ---------------------------------------------------------------- decode append
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def append_token(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Array,
+                 active: jax.Array) -> CacheState:
+    """Append one token to every active sequence. k, v: [B, Hkv, D]; active: [B] bool.
+
+    When the new token opens a page, the oldest hot page moves to warm (fp8 encode)
+    and the oldest warm page to cold (int4 encode of the fp8 data, into a pool page
+    popped from the free stack). The caller checks that the pool has room.
+    """
+    pg, s, h, w = cfg.page_size, cfg.sink_pages, cfg.hot_pages, cfg.warm_pages
+    nb = state.seq_lens.shape[0]
+    b_idx = jnp.arange(nb)
+    pos = state.seq_lens
+    page, off = pos // pg, pos % pg
+    opens = active & (off == 0)
+    leave_hot = opens & (page - h >= s)           # page - h: hot -> warm
+    leave_warm = leave_hot & (page - h - w >= s)  # page - h - w: warm -> cold (or hot -> cold)
+    hot_base = s * pg + jnp.mod(page - s, h) * pg  # ring slot of `page` (== of page - h)
+
+    def page_rows(x, base):  # x [B, Hkv, T, D] -> [B, Hkv, pg, D] at per-sequence base
+        return jax.vmap(lambda xb, bb: jax.lax.dynamic_slice_in_dim(xb, bb, pg, axis=1))(x, base)
+
+    out_k = page_rows(state.bf16_k, hot_base).astype(jnp.float32)
+    out_v = page_rows(state.bf16_v, hot_base).astype(jnp.float32)
+
+    # Cold page: from the warm ring (re-encoded from fp8) or, without warm, from bf16.
+    if w:
+        warm_base = jnp.mod(page - h - s, w) * pg
+        old_k = decode_fp8(page_rows(state.fp8_k, warm_base),
+                           page_rows(state.fp8_k_scale[..., None], warm_base)[..., 0])
+        old_v = decode_fp8(page_rows(state.fp8_v, warm_base),
+                           page_rows(state.fp8_v_scale[..., None], warm_base)[..., 0])
+    else:
+        old_k, old_v = out_k, out_v
+    rank = jnp.cumsum(leave_warm) - 1
+    pool_ids = jnp.where(leave_warm, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
+                         cfg.pool_pages)
+    state = _encode_pages_to_pool(cfg, state, old_k, old_v, pool_ids)
+    cold_page = page - h - w
+    table = state.page_table.at[b_idx, jnp.where(leave_warm, cold_page, cfg.max_pages)].set(
+        pool_ids, mode="drop")
+
+    if w:  # hot page -> warm ring slot of that page
+        fk, fks = encode_fp8(out_k)
+        fv, fvs = encode_fp8(out_v)
+
+        def put_page(x, val, base):
+            def one(xb, vb, bb, go):
+                cur = jax.lax.dynamic_slice_in_dim(xb, bb, pg, axis=1)
+                return jax.lax.dynamic_update_slice_in_dim(
+                    xb, jnp.where(go, vb.astype(xb.dtype), cur), bb, axis=1)
+            return jax.vmap(one)(x, val, base, leave_hot)
+
+        state = state.replace(
+            fp8_k=put_page(state.fp8_k, fk, warm_base), fp8_v=put_page(state.fp8_v, fv, warm_base),
+            fp8_k_scale=put_page(state.fp8_k_scale[..., None], fks[..., None], warm_base)[..., 0],
+            fp8_v_scale=put_page(state.fp8_v_scale[..., None], fvs[..., None], warm_base)[..., 0])
+
+    # The new token: a sink slot or its hot ring slot.
+    slot = jnp.where(page < s, pos, hot_base + off)
+    slot = jnp.where(active, slot, state.bf16_k.shape[2])  # inactive: dropped
+    bf16_k = state.bf16_k.at[b_idx, :, slot].set(k.astype(jnp.bfloat16), mode="drop")
+    bf16_v = state.bf16_v.at[b_idx, :, slot].set(v.astype(jnp.bfloat16), mode="drop")
+    return state.replace(bf16_k=bf16_k, bf16_v=bf16_v, page_table=table,
+                         seq_lens=state.seq_lens + active.astype(jnp.int32),
+                         num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
+
+
+# ---------------------------------------------------------------- release
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def release(cfg: HiSparseConfig, state: CacheState, seq: jax.Array) -> CacheState:
+    """Empty sequence `seq` and push its pool pages back on the free stack."""
+    row = state.page_table[seq]
+    owned = row >= 0
+    rank = jnp.cumsum(owned) - 1
+    dest = jnp.where(owned, state.num_free + rank, cfg.pool_pages)
+    free_pages = state.free_pages.at[dest].set(row, mode="drop")
+    return state.replace(
+        free_pages=free_pages, num_free=state.num_free + jnp.sum(owned).astype(jnp.int32),
+        page_table=state.page_table.at[seq].set(-1), seq_lens=state.seq_lens.at[seq].set(0))

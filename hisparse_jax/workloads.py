@@ -1,0 +1,213 @@
+"""Seeded attention workloads with the structure of real long-context models (DESIGN §4).
+
+Keys are built from mechanisms seen in trained models, then RoPE-rotated
+(Llama-3 base 500000, rotate-half pairs (i, i + D/2)):
+- a per-head mean with a few massive outlier channels (low-frequency pairs, so
+  they survive RoPE nearly unrotated, as in Llama's "massive" key channels);
+- a document/topic component that persists over spans of 200-3000 tokens;
+- a smooth random process over positions (nearby tokens have similar keys);
+- token 0 as the attention sink (a distinctive key every head can lock on to);
+- needles: short token spans at random depths whose low-frequency content
+  matches what a retrieval query asks for.
+Queries at position S (after all S tokens) come in four kinds, per query head:
+sink (mass on token 0, the rest mostly on recent tokens), local (recent tokens), retrieval (one
+needle per query head; heads of one GQA group may ask for different needles)
+and diffuse (weak, topic-level preferences spread over the whole context). Every
+kind also carries a per-head sink bias and topic-level background, so mass is
+never perfectly concentrated. Values are per-head mean + topic + token noise,
+with needles carrying a distinct value (the "answer").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+HEAD_KINDS = ("sink", "local", "retrieval", "diffuse")
+CONCENTRATED = ("sink", "local", "retrieval")
+ROPE_BASE = 500000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    q: np.ndarray            # [N, Hq, D] float32, decode queries at position S
+    k: np.ndarray            # [S, Hkv, D] float32 (post-RoPE)
+    v: np.ndarray            # [S, Hkv, D] float32
+    head_kinds: tuple        # [Hq] kind of each query head
+    needle_targets: np.ndarray  # [N, Hq, 2] (start, end) token span asked for; -1 if none
+    seed: int
+
+    @property
+    def context(self) -> int:
+        return self.k.shape[0]
+
+
+def rope(x: np.ndarray, pos: np.ndarray, base: float = ROPE_BASE) -> np.ndarray:
+    """Rotate-half RoPE. x [..., T, H, D] or [T, H, D]; pos [T]."""
+    d = x.shape[-1]
+    half = d // 2
+    inv = base ** (-np.arange(half) * 2.0 / d)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]  # [T, half]
+    cos = np.cos(ang)[:, None, :].astype(np.float32)
+    sin = np.sin(ang)[:, None, :].astype(np.float32)
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def _unit(rng, d, mask=None):
+    x = rng.normal(size=d).astype(np.float32)
+    if mask is not None:
+        x = x * mask
+    return x / np.linalg.norm(x)
+
+
+def _smooth_noise(rng, s: int, d: int, width: float) -> np.ndarray:
+    """[s, d] unit-variance noise, Gaussian-smoothed over positions (FFT convolution)."""
+    x = rng.normal(size=(s, d)).astype(np.float32)
+    n = 1 << int(np.ceil(np.log2(s + 8 * width)))
+    t = np.arange(n)
+    t = np.minimum(t, n - t)
+    kern = np.exp(-0.5 * (t / width) ** 2)
+    y = np.fft.irfft(np.fft.rfft(x, n=n, axis=0) * np.fft.rfft(kern)[:, None], n=n, axis=0)[:s]
+    return (y / y.std(axis=0, keepdims=True)).astype(np.float32)
+
+
+def _solve(k: np.ndarray, base: np.ndarray, direction: np.ndarray, region: np.ndarray,
+           share: float) -> np.ndarray:
+    """base + a * direction with a >= 0 chosen (bisection) so the softmax of
+    k @ q / sqrt(D) puts `share` of its mass on `region` (as close as reachable)."""
+    d = k.shape[1]
+    base_l = k @ base / np.sqrt(d)
+    dir_l = k @ direction / np.sqrt(d)
+
+    def mass(a):
+        lg = base_l + a * dir_l
+        p = np.exp(lg - lg.max())
+        return p[region].sum() / p.sum()
+
+    lo, hi = 0.0, 1.0
+    while mass(hi) < share and hi < 1e4:
+        lo, hi = hi, hi * 2
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mass(mid) < share else (lo, mid)
+    return (base + hi * direction).astype(np.float32)
+
+
+def _aim(key_dir: np.ndarray, logit: float, d: int) -> np.ndarray:
+    """Query term that adds `logit` (after the 1/sqrt(D) scale) to keys holding key_dir."""
+    return key_dir * (logit * np.sqrt(d) / float(key_dir @ key_dir))
+
+
+def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, head_dim: int = 128,
+                  kinds=None, num_queries: int = 8, needles_per_head: int = 6,
+                  seed: int = 0) -> Workload:
+    """Generate q, k, v. `kinds` lists one kind per KV head (its query heads share
+    it), or one per query head; default cycles through HEAD_KINDS per KV head.
+
+    Query strengths are set in logit units relative to log(S), the log-mass of a
+    flat background, so a head's kind means the same thing at 32K and at 1M.
+    """
+    rng = np.random.default_rng(seed)
+    S, H, G, D = context, num_kv_heads, gqa_group, head_dim
+    half = D // 2
+    if kinds is None:
+        kinds = [HEAD_KINDS[h % len(HEAD_KINDS)] for h in range(H)]
+    kinds = list(kinds)
+    if len(kinds) == H:
+        kinds = [kd for kd in kinds for _ in range(G)]
+    if len(kinds) != H * G or any(kd not in HEAD_KINDS for kd in kinds):
+        raise ValueError(f"kinds must list {H} or {H * G} entries from {HEAD_KINDS}")
+    log_s = float(np.log(S))
+
+    # Channel masks in rotate-half layout: pair i = (i, i + D/2), frequency falls with i.
+    pair = np.arange(D) % half
+    outlier_pool = np.flatnonzero((pair >= half // 2) & (pair < half * 3 // 4))
+    content = np.ones(D, np.float32)
+    content[outlier_pool] = 0.0                            # topics, needles, sinks
+
+    # Topic segments shared by all heads (they are properties of the text).
+    bounds = [0]
+    while bounds[-1] < S:
+        bounds.append(bounds[-1] + int(rng.integers(200, 3000)))
+    starts = np.array(bounds[:-1])
+    seg = np.searchsorted(np.array(bounds[1:]), np.arange(S), side="right")
+    n_topics = max(4, len(starts) // 3)
+    topic = rng.integers(0, n_topics, size=len(starts))[seg]  # [S]
+
+    k_raw = np.empty((S, H, D), np.float32)
+    v = np.empty((S, H, D), np.float32)
+    q = np.zeros((num_queries, H * G, D), np.float32)
+    targets = np.full((num_queries, H * G, 2), -1, np.int64)
+    pos = np.arange(S)
+    key_noise = 0.9
+    needle_lo = min(S - 1, 32)
+    for h in range(H):
+        mean = rng.normal(scale=0.3, size=D).astype(np.float32)
+        outl = rng.choice(outlier_pool, size=4, replace=False)
+        mean[outl] = rng.choice([-1, 1], size=4) * rng.uniform(6, 12, size=4)
+        topic_dirs = rng.normal(size=(n_topics, D)).astype(np.float32) * content * 0.6
+        # Local context: a smooth random process over positions (nearby tokens have
+        # similar keys), correlation length 16..64 tokens.
+        width = float(rng.uniform(16, 64))
+        local = _smooth_noise(rng, S, D, width) * 0.6
+        sink_dir = _unit(rng, D, content) * 40.0  # sinks have huge, distinct keys
+        k_raw[:, h] = (mean + topic_dirs[topic] + local
+                       + rng.normal(size=(S, D)).astype(np.float32) * key_noise)
+        k_raw[0, h] += sink_dir
+        v_mean = rng.normal(scale=0.5, size=D).astype(np.float32)
+        v_topic = rng.normal(scale=0.7, size=(n_topics, D)).astype(np.float32)
+        v[:, h] = v_mean + v_topic[topic] + rng.normal(size=(S, D)).astype(np.float32)
+        v[0, h] = rng.normal(scale=0.2, size=D)  # sinks carry little value
+
+        # Needles: spans of 4..24 tokens at random depths, not page aligned.
+        spans = []
+        for _ in range(needles_per_head):
+            ln = int(rng.integers(4, 25))
+            start = int(rng.integers(needle_lo, max(needle_lo + 1, S - ln)))
+            needle = _unit(rng, D, content) * 15.0
+            k_raw[start:start + ln, h] += needle
+            v[start:start + ln, h] += rng.normal(scale=2.0, size=D)
+            spans.append((start, start + ln, needle))
+
+        # Query terms aim at post-RoPE key directions (what a trained head matches).
+        # The main term's strength is solved per query so that the head's kind puts
+        # a sampled share of the exact softmax mass on its structure.
+        k_post = rope(k_raw[:, h:h + 1], pos)[:, 0]  # [S, D]
+        sink_key = k_post[0] - k_post[1:].mean(0)
+        local_key = rope(local[None, S - 1:S], np.full(1, S - 1))[0, 0]
+        q_noise_scale = np.ones(D, np.float32)
+        q_noise_scale[outl] = 0.05  # trained queries barely read the massive key channels
+        recent = pos >= S - int(4 * width)
+        for g in range(G):
+            hq = h * G + g
+            kind = kinds[hq]
+            for n in range(num_queries):
+                qv = _unit(rng, D) * q_noise_scale * (np.sqrt(D) / key_noise)
+                if kind != "sink":  # every head leaks some mass to the sink
+                    qv += _aim(sink_key, log_s + rng.uniform(-5.0, -1.0), D)
+                if kind == "sink":  # sink + recent window (the StreamingLLM pattern)
+                    qv += _aim(local_key, log_s - np.log(width) + rng.uniform(1.0, 3.0), D)
+                elif kind != "local":
+                    qv += _aim(local_key, rng.uniform(0.0, 2.0), D)
+                if kind == "sink":
+                    qv = _solve(k_post, qv, sink_key, pos == 0, rng.uniform(0.75, 0.99))
+                elif kind == "local":
+                    qv = _solve(k_post, qv, local_key, recent, rng.uniform(0.75, 0.99))
+                elif kind == "retrieval":
+                    start, end, needle = spans[rng.integers(len(spans))]
+                    nkey = rope(needle[None, None], np.full(1, (start + end) // 2))[0, 0]
+                    qv = _solve(k_post, qv, nkey, (pos >= start) & (pos < end),
+                                rng.uniform(0.7, 0.98))
+                    targets[n, hq] = (start, end)
+                else:  # diffuse: weak preferences for a few topic segments
+                    for sg in rng.choice(len(starts), size=min(3, len(starts)), replace=False):
+                        tkey = rope(topic_dirs[topic[starts[sg]]][None, None],
+                                    np.full(1, starts[sg]))[0, 0]
+                        qv += _aim(tkey, rng.uniform(0.5, 2.5), D)
+                q[n, hq] = qv
+    k = rope(k_raw, pos)
+    # Query terms were built in rotated space already (they aim at rotated keys).
+    return Workload(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32),
+                    head_kinds=tuple(kinds), needle_targets=targets, seed=seed)

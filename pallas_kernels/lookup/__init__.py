@@ -1,0 +1,1 @@
+from pallas_kernels.lookup.reference import page_scores  # noqa: F401

@@ -1,0 +1,103 @@
+"""Tier codecs (pure jnp): fp8 e4m3 for warm, int4 for cold. The one source of truth.
+
+int4 packing is "half split": byte j of a row holds channel j in its low nibble
+and channel j + D/2 in its high nibble, so unpacking yields two contiguous halves
+(no interleave; kernels dot each half with the matching half of the query).
+Codes are unsigned 0..15, asymmetric: x ~= lo + code * step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+INT4_LEVELS = 15.0
+
+
+def round_bf16_down(x: jax.Array) -> jax.Array:
+    """Largest bf16 <= x (so a stored lower bound stays a bound)."""
+    b = x.astype(jnp.bfloat16)
+    return jnp.where(b.astype(jnp.float32) > x, jnp.nextafter(b, jnp.bfloat16(-jnp.inf)), b)
+
+
+def round_bf16_up(x: jax.Array) -> jax.Array:
+    """Smallest bf16 >= x."""
+    b = x.astype(jnp.bfloat16)
+    return jnp.where(b.astype(jnp.float32) < x, jnp.nextafter(b, jnp.bfloat16(jnp.inf)), b)
+
+
+def pack_int4(codes: jax.Array) -> jax.Array:
+    """[..., D] ints in 0..15 -> [..., D/2] uint8 (half split)."""
+    half = codes.shape[-1] // 2
+    c = codes.astype(jnp.uint8)
+    return c[..., :half] | (c[..., half:] << 4)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """[..., D/2] uint8 -> [..., D] float32 codes in 0..15."""
+    lo = (packed & 0xF).astype(jnp.float32)
+    hi = (packed >> 4).astype(jnp.float32)
+    return jnp.concatenate([lo, hi], axis=-1)
+
+
+def _quantize(x, lo, step):
+    """Codes of x on the grid lo + step * {0..15}; a zero step (constant data) gives 0."""
+    safe = jnp.where(step > 0, step, 1.0)
+    codes = jnp.where(step > 0, jnp.round((x - lo) / safe), 0.0)
+    return jnp.clip(codes, 0.0, INT4_LEVELS)
+
+
+def encode_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., D] -> (e4m3 codes [..., D], f32 scale [...]); one scale per row (token, head)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x / scale[..., None]).astype(FP8_DTYPE), scale
+
+
+def decode_fp8(codes: jax.Array, scale: jax.Array) -> jax.Array:
+    return codes.astype(jnp.float32) * scale[..., None]
+
+
+def encode_cold_keys(k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Keys of whole pages [..., page, D] -> (packed [..., page, D/2] uint8,
+    digest_min [..., D] bf16, digest_max [..., D] bf16).
+
+    Per-channel asymmetric int4 over the page; the range is the page digest (the
+    Quest bound), rounded outward to bf16 so it bounds every dequantized key.
+    """
+    k = k.astype(jnp.float32)
+    dmin = round_bf16_down(jnp.min(k, axis=-2))
+    dmax = round_bf16_up(jnp.max(k, axis=-2))
+    lo = dmin.astype(jnp.float32)[..., None, :]
+    step = (dmax.astype(jnp.float32)[..., None, :] - lo) / INT4_LEVELS
+    return pack_int4(_quantize(k, lo, step)), dmin, dmax
+
+
+def decode_cold_keys(packed, dmin, dmax) -> jax.Array:
+    lo = dmin.astype(jnp.float32)[..., None, :]
+    step = (dmax.astype(jnp.float32)[..., None, :] - lo) / INT4_LEVELS
+    return lo + unpack_int4(packed) * step
+
+
+def encode_cold_values(v: jax.Array, group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Values [..., D] -> (packed [..., D/2] uint8, scale [..., D/group] bf16,
+    zero [..., D/group] bf16): per token, groups of `group` consecutive channels."""
+    v = v.astype(jnp.float32)
+    d = v.shape[-1]
+    g = v.reshape(*v.shape[:-1], d // group, group)
+    zero = round_bf16_down(jnp.min(g, axis=-1))
+    step = round_bf16_up((jnp.max(g, axis=-1) - zero.astype(jnp.float32)) / INT4_LEVELS)
+    codes = _quantize(g, zero.astype(jnp.float32)[..., None], step.astype(jnp.float32)[..., None])
+    return pack_int4(codes.reshape(v.shape)), step, zero
+
+
+def decode_cold_values(packed, scale, zero) -> jax.Array:
+    codes = unpack_int4(packed)
+    d = codes.shape[-1]
+    ngroups = scale.shape[-1]
+    g = codes.reshape(*codes.shape[:-1], ngroups, d // ngroups)
+    out = zero.astype(jnp.float32)[..., None] + g * scale.astype(jnp.float32)[..., None]
+    return out.reshape(codes.shape)

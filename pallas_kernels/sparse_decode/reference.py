@@ -1,0 +1,86 @@
+"""Sparse decode attention over the attended set, pure jnp.
+
+Three parts, each dequantized where it is read and reduced to (output, lse):
+bf16 tokens (sink + hot), fp8 tokens (warm), selected int4 pages (cold). The
+parts are merged by log-sum-exp. Masked slots may hold anything (NaN included):
+they are removed with `where`, never by multiplying with zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quant.reference import decode_cold_keys, decode_cold_values, decode_fp8
+
+
+def attend_part(q, k, v, valid, sm_scale):
+    """q [B,Hkv,G,D]; k, v [B,Hkv,T,D] f32; valid [B,Hkv,T] bool ->
+    (out [B,Hkv,G,D] f32, lse [B,Hkv,G] f32, -inf when nothing is valid)."""
+    logits = jnp.einsum("bhgd,bhtd->bhgt", q, jnp.where(valid[..., None], k, 0.0)) * sm_scale
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m_safe[..., None])
+    denom = jnp.sum(p, axis=-1)
+    out = jnp.einsum("bhgt,bhtd->bhgd", p, jnp.where(valid[..., None], v, 0.0))
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse
+
+
+def merge_parts(parts):
+    """Combine [(out, lse), ...] of disjoint token sets into one softmax output."""
+    lses = jnp.stack([lse for _, lse in parts])  # [n, B, Hkv, G]
+    m = jnp.max(lses, axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lses - m_safe)  # exp(-inf) = 0 for empty parts
+    total = jnp.sum(w, axis=0)
+    out = sum(wi[..., None] * o for wi, (o, _) in zip(w, parts))
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return out, lse
+
+
+def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
+                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_min,
+                  digest_max, cold_ids, *, sm_scale):
+    """Decode attention of one query per sequence over its attended set.
+
+    q:            [B, Hkv, G, D] float32
+    bf16_k/v:     [B, Hkv, Tb, D] bf16     sink slots, then the hot ring
+    bf16_valid:   [B, Tb] bool
+    fp8_k/v:      [B, Hkv, Tw, D] e4m3     warm ring
+    fp8_*_scale:  [B, Hkv, Tw] f32         one scale per token per head
+    fp8_valid:    [B, Tw] bool
+    int4_k/v:     [P, Hkv, page, D/2] u8   cold pool (half-split packed)
+    int4_v_scale, int4_v_zero: [P, Hkv, page, D/group] bf16
+    digest_min/max: [P, Hkv, D] bf16       key range of each page (int4 key grid)
+    cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
+    returns (out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32)
+    """
+    q = q.astype(jnp.float32)
+    hkv = q.shape[1]
+
+    def tile(valid):  # [B, T] -> [B, Hkv, T]
+        return jnp.broadcast_to(valid[:, None, :], (valid.shape[0], hkv, valid.shape[1]))
+
+    parts = [attend_part(q, bf16_k.astype(jnp.float32), bf16_v.astype(jnp.float32),
+                         tile(bf16_valid), sm_scale)]
+    if fp8_k.shape[2]:
+        parts.append(attend_part(q, decode_fp8(fp8_k, fp8_k_scale),
+                                 decode_fp8(fp8_v, fp8_v_scale), tile(fp8_valid), sm_scale))
+    if cold_ids.shape[2]:
+        b, _, kk = cold_ids.shape
+        ids = jnp.maximum(cold_ids, 0)
+        heads = jnp.arange(hkv)[None, :, None]
+        # [B, Hkv, K, page, ...]: page `ids` of head h for every (b, h, k).
+        k = decode_cold_keys(int4_k[ids, heads], digest_min[ids, heads], digest_max[ids, heads])
+        v = decode_cold_values(int4_v[ids, heads], int4_v_scale[ids, heads],
+                               int4_v_zero[ids, heads])
+        page = k.shape[3]
+        valid = jnp.broadcast_to((cold_ids >= 0)[..., None], (b, hkv, kk, page))
+        parts.append(attend_part(q, k.reshape(b, hkv, kk * page, -1),
+                                 v.reshape(b, hkv, kk * page, -1),
+                                 valid.reshape(b, hkv, kk * page), sm_scale))
+    return merge_parts(parts)
