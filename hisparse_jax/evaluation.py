@@ -61,6 +61,7 @@ class Evaluation:
     top10_recall: np.ndarray    # [N, Hq]
     attended_fraction: float
     selected_pages: np.ndarray  # [N, Hkv, K] logical pages (-1 = none)
+    weights: np.ndarray         # [N, Hq, S] exact softmax weights
     config: HiSparseConfig
 
     def summary(self, heads=None) -> dict:
@@ -158,25 +159,31 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
         recall=recall, oracle_recall=oracle_recall, rel_error=rel(out, dense),
         selection_error=rel(out, out_all), quant_error=rel(out_all, dense),
         top10_recall=top10_recall, attended_fraction=float(attended.mean()),
-        selected_pages=selected, config=cfg)
+        selected_pages=selected, weights=w, config=cfg)
 
 
-def needle_pages_hit(ev: Evaluation, targets: np.ndarray) -> tuple[int, int]:
+def needle_pages_hit(ev: Evaluation, targets: np.ndarray, min_mass: float = 0.0
+                     ) -> tuple[int, int]:
     """(needle cold pages selected, needle cold pages) over all retrieval queries.
-    targets [N, Hq, 2] token spans (start, end), -1 where the head asks for none."""
+
+    targets [N, Hq, 2]: the token span (start, end) each query head asks for, -1
+    where none. A page counts when it holds needle tokens carrying more than
+    `min_mass` of that head's exact attention (0 = every page the span touches).
+    """
     cfg = ev.config
     pg, g = cfg.page_size, cfg.gqa_group
-    s = cfg.max_context
+    s = ev.weights.shape[-1]
     bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
+    live_pages = set((bf16_pos[bf16_pos >= 0] // pg).tolist()) | \
+        set((fp8_pos[fp8_pos >= 0] // pg).tolist())
     hit = total = 0
     for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
         start, end = targets[n, hq]
         chosen = set(ev.selected_pages[n, hq // g].tolist())
         for p in range(start // pg, (end - 1) // pg + 1):
-            live = np.any((bf16_pos // pg == p) & (bf16_pos >= 0)) or \
-                np.any((fp8_pos // pg == p) & (fp8_pos >= 0))
-            if live:
-                continue  # never a candidate: attended anyway
+            lo, hi = max(start, p * pg), min(end, (p + 1) * pg)
+            if p in live_pages or ev.weights[n, hq, lo:hi].sum() <= min_mass:
+                continue  # attended anyway (never a candidate), or negligible
             total += 1
             hit += p in chosen
     return hit, total

@@ -27,11 +27,16 @@ def page_scores(q: jax.Array, digest_min: jax.Array, digest_max: jax.Array,
     lo = digest_min[ids].astype(jnp.float32)  # [B, N, Hkv, D]
     hi = digest_max[ids].astype(jnp.float32)
     q = q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))
-    center = jnp.einsum("bhgd,bnhd->bhgn", q, (hi + lo) * 0.5)
-    bound = center + jnp.einsum("bhgd,bnhd->bhgn", jnp.abs(q), (hi - lo) * 0.5)
+    # Materialize centre/radius, then a broadcast multiply-sum rather than einsum:
+    # the fastest of the forms measured on XLA:CPU (a G-row dot runs slowly there).
+    mid, rad = jax.lax.optimization_barrier(((hi + lo) * 0.5, (hi - lo) * 0.5))
+    qb = q[:, None]  # [B, 1, Hkv, G, D]
+    center = jnp.sum(qb * mid[:, :, :, None, :], axis=-1)  # [B, N, Hkv, G]
+    bound = center + jnp.sum(jnp.abs(qb) * rad[:, :, :, None, :], axis=-1)
+    bound, center = jax.lax.optimization_barrier((bound, center))
     ok = page_table[:, None, :] >= 0
 
-    def combine(s):
-        return jnp.where(ok, jax.nn.logsumexp(s, axis=2), -jnp.inf)
+    def combine(x):  # [B, N, Hkv, G] -> [B, Hkv, N]
+        return jnp.where(ok, jax.nn.logsumexp(x, axis=3).transpose(0, 2, 1), -jnp.inf)
 
     return combine(bound), combine(center)

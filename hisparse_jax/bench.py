@@ -1,0 +1,69 @@
+"""Side-by-side speed of HiSparse vs dense decode attention on the XLA path.
+
+Both run in one process on the same data, compile and warm-up excluded, median of
+several calls: the ratio is what to trust on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.attention import decode_attention, dense_decode_attention
+from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.config import HiSparseConfig, preset
+
+
+def _time(fn, repeats):
+    jax.block_until_ready(fn())  # compile + warm-up
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
+def bench_attention(context: int, *, preset_name: str = "default", batch: int = 1,
+                    repeats: int = 7, seed: int = 0, log=None) -> dict:
+    """Decode attention at `context` tokens: HiSparse (cache already filled) vs dense
+    bf16 attention over the same K/V. Random K/V: speed does not depend on content."""
+    log = log or (lambda *_: None)
+    base = preset(preset_name)
+    pg = base.page_size
+    ctx = -(-context // pg) * pg
+    cfg = base.replace(max_context=ctx, max_seqs=batch, num_pool_pages=None)
+    rng = np.random.default_rng(seed)
+    h, d = cfg.num_kv_heads, cfg.head_dim
+    log(f"building a {context}-token cache ({batch} x {h} KV heads, head_dim {d}) ...")
+    cache = HiSparseCache(cfg, implementation="xla")
+    k_all = jnp.asarray(rng.standard_normal((batch, context, h, d), np.float32), jnp.bfloat16)
+    v_all = jnp.asarray(rng.standard_normal((batch, context, h, d), np.float32), jnp.bfloat16)
+    for b in range(batch):
+        cache.prefill(b, k_all[b], v_all[b])
+    q = jnp.asarray(rng.standard_normal((batch, cfg.num_q_heads, d), np.float32))
+    k_dense = k_all.transpose(0, 2, 1, 3)  # [B, Hkv, S, D] bf16: a dense bf16 cache
+    v_dense = v_all.transpose(0, 2, 1, 3)
+    del k_all, v_all
+    lengths = jnp.full((batch,), context, jnp.int32)
+    state = cache.state
+
+    log("timing dense ...")
+    dense_ms, dense_all = _time(lambda: dense_decode_attention(q, k_dense, v_dense, lengths),
+                                repeats)
+    log("timing hisparse ...")
+    sparse_ms, sparse_all = _time(
+        lambda: decode_attention(cfg, state, q, implementation="xla"), repeats)
+    return {
+        "case": f"decode_{context}_b{batch}", "context": context, "batch": batch,
+        "preset": preset_name, "implementation": "xla", "backend": jax.default_backend(),
+        "dense_ms": dense_ms, "hisparse_ms": sparse_ms, "speedup": dense_ms / sparse_ms,
+        "dense_ms_all": dense_all, "hisparse_ms_all": sparse_all,
+        "command": " ".join(["hisparse"] + sys.argv[1:]) if sys.argv else "",
+    }

@@ -1,0 +1,133 @@
+"""`hisparse` command line: demo, eval, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _budget(text: str) -> int:
+    from hisparse_jax.config import FULL_BUDGET
+    if text == "all":
+        return FULL_BUDGET
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget-tokens must be an int or 'all', got {text!r}")
+    if n < 0:
+        raise argparse.ArgumentTypeError("--budget-tokens must be >= 0")
+    return n
+
+
+def load_qkv(path: str):
+    """q [N, Hq, D], k/v [S, Hkv, D] from an npz; float16 or float32."""
+    try:
+        data = np.load(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot read {path}: {e}")
+    missing = {"q", "k", "v"} - set(data.files)
+    if missing:
+        raise SystemExit(f"error: {path} lacks arrays {sorted(missing)} (needs q, k, v)")
+    q, k, v = data["q"], data["k"], data["v"]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in (np.float16, np.float32):
+            raise SystemExit(f"error: {name} must be float16 or float32, got {x.dtype}")
+        if x.ndim != 3:
+            raise SystemExit(f"error: {name} must be 3-D, got shape {x.shape}")
+    if k.shape != v.shape:
+        raise SystemExit(f"error: k {k.shape} and v {v.shape} must match")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise SystemExit(f"error: q {q.shape} must be [N, Hq, D] with Hq a multiple of "
+                         f"k's {k.shape[1]} heads and D = {k.shape[2]}")
+    if not (np.all(np.isfinite(q)) and np.all(np.isfinite(k)) and np.all(np.isfinite(v))):
+        raise SystemExit("error: q, k and v must be finite")
+    return q, k, v
+
+
+def _print_table(rows, headers):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def cmd_eval(args):
+    from hisparse_jax.config import preset
+    from hisparse_jax.evaluation import evaluate
+    q, k, v = load_qkv(args.qkv)
+    cfg = preset(args.preset)
+    if args.budget_tokens is not None:
+        cfg = cfg.replace(budget_tokens=args.budget_tokens)
+    try:
+        cfg = cfg.replace(head_dim=k.shape[2])  # validates head_dim with the preset
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
+    summary = evaluate(cfg, q, k, v).summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table([(key, f"{val:.4f}") for key, val in summary.items()], ("metric", "value"))
+
+
+def cmd_bench_attention(args):
+    from hisparse_jax.bench import bench_attention
+    row = bench_attention(args.context, preset_name=args.preset, batch=args.batch,
+                          repeats=args.repeats, log=_log)
+    if args.json:
+        print(json.dumps(row))
+    else:
+        _print_table([(row["case"], f"{row['dense_ms']:.2f}", f"{row['hisparse_ms']:.2f}",
+                       f"{row['speedup']:.1f}x")], ("case", "dense ms", "hisparse ms", "speedup"))
+
+
+def cmd_demo(args):
+    from hisparse_jax.demo import run_demo
+    run_demo(context=args.context, log=_log)
+
+
+def build_parser():
+    from hisparse_jax.config import PRESETS
+    p = argparse.ArgumentParser(prog="hisparse", description="HiSparse KV cache tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="128K-token synthetic context: HiSparse vs dense")
+    d.add_argument("--context", type=int, default=131072)
+    d.set_defaults(func=cmd_demo)
+
+    e = sub.add_parser("eval", help="quality on attention captured from your model")
+    e.add_argument("--qkv", required=True, help="npz with q [N,Hq,D], k [S,Hkv,D], v [S,Hkv,D]")
+    e.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    e.add_argument("--budget-tokens", type=_budget, default=None,
+                   help="cold tokens attended per KV head, or 'all'")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    a = bsub.add_parser("attention", help="sparse vs dense decode attention (XLA path)")
+    a.add_argument("--context", type=int, default=131072)
+    a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--repeats", type=int, default=7)
+    a.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_bench_attention)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if getattr(args, "context", 1) is not None and getattr(args, "context", 1) < 1:
+        raise SystemExit("error: --context must be >= 1")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.quant import (decode_cold_keys, decode_cold_values, decode_fp8,
+                                  encode_cold_keys, encode_cold_values, encode_fp8, pack_int4,
+                                  unpack_int4)
+
+
+def test_pack_roundtrip():
+    codes = np.random.default_rng(0).integers(0, 16, size=(5, 64))
+    assert np.array_equal(np.asarray(unpack_int4(pack_int4(jnp.asarray(codes)))), codes)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_key_digest_bounds_dequantized_keys(d):
+    rng = np.random.default_rng(d)
+    k = (rng.normal(size=(7, 3, 16, d)) * rng.uniform(0.1, 20, size=d)).astype(np.float32)
+    packed, lo, hi = encode_cold_keys(jnp.asarray(k))
+    kd = np.asarray(decode_cold_keys(packed, lo, hi))
+    lo, hi = np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+    assert np.all(lo[..., None, :] <= k) and np.all(k <= hi[..., None, :])
+    ulp = 1e-6 * np.maximum(np.abs(lo), np.abs(hi))[..., None, :]  # f32 rounding of lo + 15*step
+    assert np.all(lo[..., None, :] <= kd + ulp) and np.all(kd <= hi[..., None, :] + ulp)
+    step = (hi - lo) / 15
+    assert np.all(np.abs(kd - k) <= step[..., None, :] * 0.5 + 2 * ulp)
+
+
+def test_constant_pages_quantize_exactly():
+    k = np.full((2, 16, 64), 3.0, np.float32)
+    packed, lo, hi = encode_cold_keys(jnp.asarray(k))
+    assert np.all(np.isfinite(np.asarray(decode_cold_keys(packed, lo, hi))))
+    assert np.allclose(np.asarray(decode_cold_keys(packed, lo, hi)), 3.0)
+    v = np.zeros((4, 64), np.float32)
+    assert np.allclose(np.asarray(decode_cold_values(*encode_cold_values(jnp.asarray(v), 32))), 0)
+    codes, scale = encode_fp8(jnp.zeros((3, 64)))
+    assert np.all(np.asarray(decode_fp8(codes, scale)) == 0)
+
+
+@pytest.mark.parametrize("group,bound", [(32, 0.12), (16, 0.10)])
+def test_value_error_bounded_by_group_step(group, bound):
+    v = np.random.default_rng(1).normal(size=(512, 128)).astype(np.float32)
+    vd = np.asarray(decode_cold_values(*encode_cold_values(jnp.asarray(v), group)))
+    rel = np.linalg.norm(vd - v, axis=-1) / np.linalg.norm(v, axis=-1)
+    assert rel.mean() < bound
+
+
+def test_fp8_relative_error():
+    x = np.random.default_rng(2).normal(size=(256, 128)).astype(np.float32)
+    xd = np.asarray(decode_fp8(*encode_fp8(jnp.asarray(x))))
+    assert np.max(np.abs(xd - x) / np.max(np.abs(x), -1, keepdims=True)) <= 2 ** -4

@@ -1,0 +1,31 @@
+import pytest
+
+from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset
+
+
+@pytest.mark.parametrize("field,value", [
+    ("page_size", 24), ("page_size", 0), ("head_dim", 63), ("hot_tokens", 8),
+    ("hot_tokens", 100), ("warm_tokens", 17), ("budget_tokens", 100), ("budget_tokens", -2),
+    ("value_group", 48), ("max_context", 1000), ("num_kv_heads", 0), ("bound_share", 1.5),
+    ("max_seqs", -1), ("num_pool_pages", 0),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        HiSparseConfig(**{field: value})
+
+
+def test_frozen_and_presets():
+    cfg = HiSparseConfig()
+    with pytest.raises(Exception):
+        cfg.page_size = 32
+    for name, p in PRESETS.items():
+        assert preset(name) == p
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("nope")
+
+
+def test_derived_sizes():
+    cfg = HiSparseConfig(page_size=64, sink_tokens=16, max_context=8192)
+    assert cfg.sink_pages == 1 and cfg.hot_pages == 2 and cfg.warm_pages == 6
+    assert cfg.budget_pages == 32
+    assert cfg.replace(budget_tokens=FULL_BUDGET).budget_pages == 128 - 1 - 2 - 6
