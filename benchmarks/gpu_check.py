@@ -55,7 +55,7 @@ INT32_LIMIT = 2**31 - 1    # Pallas Triton pool offsets are int32
 
 def shape_set(dry_run: bool):
     if dry_run:
-        return dict(contexts=[256, 1024], batches=[1, 2], kv_heads=2, group=4, head_dim=64,
+        return dict(contexts=[512], batches=[1, 2], kv_heads=2, group=4, head_dim=64,
                     page=16, sink=16, hot=16, warm=32, budget=64, value_group=32)
     # Llama-3-8B heads; HiSparse default tiers (sink 16, hot 128, warm 384, budget 2048).
     return dict(contexts=[32768, 131072, 1048576], batches=[1, 8], kv_heads=8, group=4,
@@ -86,17 +86,18 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
         fp8_k_scale=jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
         fp8_v_scale=jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
         fp8_valid=jnp.ones((b, tw), bool),
-        int4_k=jax.random.bits(next(ks), (pool, h, page, d // 2), jnp.uint8),
-        int4_v=jax.random.bits(next(ks), (pool, h, page, d // 2), jnp.uint8),
-        int4_v_scale=jax.random.uniform(next(ks), (pool, h, page, ng), jnp.float32,
+        # Cold pool, head-major [Hkv, P, ...] (hisparse_jax.state layout).
+        int4_k=jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
+        int4_v=jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
+        int4_v_scale=jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
                                         0.01, 0.2).astype(jnp.bfloat16),
-        int4_v_zero=jax.random.uniform(next(ks), (pool, h, page, ng), jnp.float32,
+        int4_v_zero=jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
                                        -1.5, -0.5).astype(jnp.bfloat16),
     )
-    lo = jax.random.normal(next(ks), (pool, h, d), jnp.float32)
-    width = jax.random.uniform(next(ks), (pool, h, d), jnp.float32, 0.0, 3.0)
-    arrays["digest_min"] = quant_ref.round_bf16_down(lo)
-    arrays["digest_max"] = quant_ref.round_bf16_up(lo + width)
+    lo = jax.random.normal(next(ks), (h, pool, d), jnp.float32)
+    width = jax.random.uniform(next(ks), (h, pool, d), jnp.float32, 0.0, 3.0)
+    arrays["digest"] = jnp.concatenate(  # [Hkv, P, 2D] = [min | max], min <= max
+        [quant_ref.round_bf16_down(lo), quant_ref.round_bf16_up(lo + width)], axis=-1)
     # Sequence i owns logical pages i*n .. i*n+n-1 of the pool (aliased modulo pool);
     # the most recent pages (sink/hot/warm) are not candidates.
     table = (jnp.arange(b, dtype=jnp.int32)[:, None] * n + jnp.arange(n, dtype=jnp.int32)) % pool
@@ -157,7 +158,7 @@ def select(bound, center, table, k):
 
 DECODE_ARGS = ("q", "bf16_k", "bf16_v", "bf16_valid", "fp8_k", "fp8_v", "fp8_k_scale",
                "fp8_v_scale", "fp8_valid", "int4_k", "int4_v", "int4_v_scale", "int4_v_zero",
-               "digest_min", "digest_max")
+               "digest")
 
 
 def make_steps(dims, interpret):
@@ -176,7 +177,7 @@ def make_steps(dims, interpret):
 
         @jax.jit
         def step(a):
-            bound, center = scores(a["q"], a["digest_min"], a["digest_max"], a["page_table"])
+            bound, center = scores(a["q"], a["digest"], a["page_table"])
             cold = select(bound, center, a["page_table"], k)
             out, _ = decode(*(a[n] for n in DECODE_ARGS), cold)
             return out
@@ -184,7 +185,7 @@ def make_steps(dims, interpret):
 
     @jax.jit
     def lookup_pallas(a):
-        return ops["pallas"][0](a["q"], a["digest_min"], a["digest_max"], a["page_table"])
+        return ops["pallas"][0](a["q"], a["digest"], a["page_table"])
 
     @jax.jit
     def decode_pallas(a):
@@ -233,7 +234,7 @@ def checks(interpret, dry_run):
                              warm=32 if dry_run else 384, budget=256, value_group=32,
                              with_dense=False)
     # lookup
-    args = (arrays["q"], arrays["digest_min"], arrays["digest_max"], arrays["page_table"])
+    args = (arrays["q"], arrays["digest"], arrays["page_table"])
     got = lookup_kernel.page_scores(*args, interpret=interpret)
     ref = jax.jit(lookup_ref.page_scores)(*args)
     err = max(_rel_err(x, y) for x, y in zip(got, ref))
@@ -243,11 +244,12 @@ def checks(interpret, dry_run):
     bound, center = ref
     cold = select(bound, center, arrays["page_table"], dims["cold_pages"])
     cold = cold.at[:, :, -2:].set(-1)
+    cold = jnp.where(cold == 0, -1, cold)  # pool page 0 is poisoned below: only -1 reaches it
     a = dict(arrays)
     a["bf16_valid"] = a["bf16_valid"].at[:, 1::3].set(False)
     a["bf16_k"] = jnp.where(a["bf16_valid"][:, None, :, None], a["bf16_k"], jnp.nan)
-    a["int4_v_scale"] = a["int4_v_scale"].at[0].set(jnp.nan)
-    a["digest_min"] = a["digest_min"].at[0].set(jnp.nan)
+    a["int4_v_scale"] = a["int4_v_scale"].at[:, 0].set(jnp.nan)
+    a["digest"] = a["digest"].at[:, 0].set(jnp.nan)
     dargs = [a[n] for n in DECODE_ARGS] + [cold]
     for prec in ("bf16x3", "f32", "bf16"):
         cfg = decode_kernel.DecodeConfig(precision=prec)
@@ -369,8 +371,7 @@ def main(argv=None):
                 a = arrays
                 if impl == "decode_pallas":
                     bound, center = lookup_ref.page_scores(
-                        arrays["q"], arrays["digest_min"], arrays["digest_max"],
-                        arrays["page_table"])
+                        arrays["q"], arrays["digest"], arrays["page_table"])
                     a = dict(arrays, cold_ids=select(bound, center, arrays["page_table"],
                                                      dims["cold_pages"]))
                 try:

@@ -2,15 +2,17 @@
 candidate page, same signature and semantics as `reference.page_scores`.
 
 Grid (batch, kv head, page block). Each program loads `block_pages` entries of
-the page table, gathers the matching digest rows straight from the pools
-(`ref[rows]`, no copy of the pool), and writes the Quest bound and the centre
-score, both combined over the GQA group by log-sum-exp. Non-candidates
-(page_table < 0) get -inf; their (clamped) digest reads never reach the output
-because they are removed with `where`.
+the page table, gathers the matching digest rows [lo | hi] straight from the
+head-major pool (`ref[rows, :]`, no copy of the pool) and scores them with two
+bf16 tensor-core dots accumulated in f32, exactly the reference's arithmetic:
 
-The q.digest products are done as broadcast-multiply-reduce in f32 (one query
-row at a time): exact f32 like the reference, no `tl.dot` M >= 16 constraint,
-and the digest gather, not the arithmetic, is what costs here.
+    bound  = [q- | q+]   . [lo | hi]   (Quest's upper bound on q.k / sqrt(D))
+    center = [q/2 | q/2] . [lo | hi]
+
+The bf16 query rows are built in the wrapper (tiny) and padded to 16 rows
+(tl.dot needs M >= 16); padded rows are masked to -inf before the log-sum-exp
+over the GQA group. Non-candidates (page_table < 0) get -inf; their clamped
+digest reads never reach the output (removed with `where`).
 """
 
 from __future__ import annotations
@@ -71,61 +73,49 @@ class LookupConfig:
         return LookupConfig(block_pages=bp, num_warps=4, num_stages=2)
 
 
-def _lookup_kernel(q_ref, pt_ref, dmin_ref, dmax_ref, bound_ref, center_ref, *,
-                   group, num_kv_heads, head_dim, block_pages):
-    # q_ref:      [G, D] f32       (this (b, h))
-    # pt_ref:     [BN] int32       page-table entries of this block, -1 = none
-    # dmin_ref:   [P * Hkv, D] bf16  whole pool (memory_space=ANY), row = page*Hkv + h
-    # dmax_ref:   [P * Hkv, D] bf16
+def _lookup_kernel(qb_ref, qc_ref, pt_ref, dig_ref, bound_ref, center_ref, *,
+                   group, num_pages_pool):
+    # qb_ref:   [Mp, 2D] bf16   [q- | q+] / sqrt(D) of this (b, h); rows >= G are zero
+    # qc_ref:   [Mp, 2D] bf16   [q/2 | q/2] / sqrt(D)
+    # pt_ref:   [BN] int32      page-table entries of this block, -1 = none
+    # dig_ref:  [Hkv * P, 2D] bf16  whole pool (memory_space=ANY), row = h*P + page
     # bound_ref, center_ref: [BN] f32
     h = pl.program_id(1)
-    ids = pt_ref[...]                                   # [BN]
+    ids = pt_ref[...]                                       # [BN]
     ok = ids >= 0
-    rows = jnp.maximum(ids, 0) * num_kv_heads + h       # [BN]
-    lo = dmin_ref[rows, :].astype(jnp.float32)          # [BN, D]
-    hi = dmax_ref[rows, :].astype(jnp.float32)
-    mid = (hi + lo) * 0.5
-    rad = (hi - lo) * 0.5
-    inv = 1.0 / math.sqrt(head_dim)
-    bounds, centers = [], []
-    for g in range(group):                              # static, G <= 16 in practice
-        qg = q_ref[g, :] * inv                          # [D]
-        c = jnp.sum(qg[None, :] * mid, axis=1)          # [BN]
-        r = jnp.sum(jnp.abs(qg)[None, :] * rad, axis=1)
-        centers.append(c)
-        bounds.append(c + r)
+    rows = h * num_pages_pool + jnp.maximum(ids, 0)         # [BN]
+    dig = jnp.where(ok[:, None], dig_ref[rows, :], 0.0).astype(jnp.bfloat16)  # [BN, 2D]
 
-    def lse(xs):  # jax.nn.logsumexp over the group, written out
-        m = xs[0]
-        for x in xs[1:]:
-            m = jnp.maximum(m, x)
+    def score(q_ref):  # [Mp, BN] f32 -> log-sum-exp over the G real rows -> [BN]
+        s = lax.dot_general(q_ref[...], dig, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        s = jnp.where(row < group, s, -jnp.inf)
+        m = jnp.max(s, axis=0)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-        s = jnp.exp(xs[0] - m_safe)
-        for x in xs[1:]:
-            s = s + jnp.exp(x - m_safe)
-        return jnp.log(s) + m_safe
+        out = jnp.log(jnp.sum(jnp.exp(s - m_safe[None, :]), axis=0)) + m_safe
+        return jnp.where(ok, out, -jnp.inf)
 
-    bound_ref[...] = jnp.where(ok, lse(bounds), -jnp.inf)
-    center_ref[...] = jnp.where(ok, lse(centers), -jnp.inf)
+    bound_ref[...] = score(qb_ref)
+    center_ref[...] = score(qc_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def page_scores(q: jax.Array, digest_min: jax.Array, digest_max: jax.Array,
-                page_table: jax.Array, *, interpret=None,
-                config: LookupConfig | None = None) -> tuple[jax.Array, jax.Array]:
+def page_scores(q: jax.Array, digest: jax.Array, page_table: jax.Array, *,
+                interpret=None, config: LookupConfig | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """Pallas version of `reference.page_scores` (same arguments, same results).
 
-    q:          [B, Hkv, G, D] float
-    digest_min: [P, Hkv, D] bf16
-    digest_max: [P, Hkv, D] bf16
-    page_table: [B, N] int32, -1 = not a candidate
+    q:          [B, Hkv, G, D] float  (query heads grouped by their KV head)
+    digest:     [Hkv, P, 2*D] bf16    per-channel key [min | max] of each pool page
+    page_table: [B, N] int32          logical page -> pool page, -1 = not a candidate
     returns     (bound, center), each [B, Hkv, N] float32, -inf for non-candidates
     interpret:  None = interpret mode unless on GPU.
     config:     LookupConfig, None = `LookupConfig.default(...)`.
     """
     interpret = resolve_interpret(interpret)
     b, hkv, g, d = q.shape
-    p = digest_min.shape[0]
+    p = digest.shape[1]
     n = page_table.shape[1]
     if not _is_pow2(d):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -138,27 +128,29 @@ def page_scores(q: jax.Array, digest_min: jax.Array, digest_max: jax.Array,
     pt = page_table.astype(jnp.int32)
     if n_pad != n:
         pt = jnp.pad(pt, ((0, 0), (0, n_pad - n)), constant_values=-1)
-    kernel = functools.partial(_lookup_kernel, group=g, num_kv_heads=hkv, head_dim=d,
-                               block_pages=bn)
+    # The reference's bf16 query rows, padded to Mp >= 16 rows for tl.dot.
+    mp = max(16, _pow2_ceil(g))
+    qs = q.astype(jnp.float32) * (1.0 / math.sqrt(d))
+    qb = jnp.concatenate([jnp.minimum(qs, 0.0), jnp.maximum(qs, 0.0)], axis=-1)
+    qc = jnp.concatenate([qs * 0.5, qs * 0.5], axis=-1)
+    pad = ((0, 0), (0, 0), (0, mp - g), (0, 0))
+    qb = jnp.pad(qb.astype(jnp.bfloat16), pad)
+    qc = jnp.pad(qc.astype(jnp.bfloat16), pad)
+    kernel = functools.partial(_lookup_kernel, group=g, num_pages_pool=p)
+    q_spec = pl.BlockSpec((None, None, mp, 2 * d), lambda i, j, k: (i, j, 0, 0))
+    out_spec = pl.BlockSpec((None, None, bn), lambda i, j, k: (i, j, k))
     out_shape = jax.ShapeDtypeStruct((b, hkv, n_pad), jnp.float32)
     bound, center = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_pad // bn),
-        in_specs=[
-            pl.BlockSpec((None, None, g, d), lambda i, j, k: (i, j, 0, 0)),
-            pl.BlockSpec((None, bn), lambda i, j, k: (i, k)),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, bn), lambda i, j, k: (i, j, k)),
-            pl.BlockSpec((None, None, bn), lambda i, j, k: (i, j, k)),
-        ],
+        in_specs=[q_spec, q_spec,
+                  pl.BlockSpec((None, bn), lambda i, j, k: (i, k)),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[out_spec, out_spec],
         out_shape=[out_shape, out_shape],
         interpret=interpret,
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps,
                                             num_stages=cfg.num_stages),
         name="hisparse_page_scores",
-    )(q.astype(jnp.float32), pt, digest_min.reshape(p * hkv, d),
-      digest_max.reshape(p * hkv, d))
+    )(qb, qc, pt, digest.reshape(hkv * p, 2 * d))
     return bound[:, :, :n], center[:, :, :n]

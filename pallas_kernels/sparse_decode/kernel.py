@@ -177,14 +177,13 @@ def _dense_kernel(q_ref, valid_ref, k_ref, v_ref, *rest, seq, kv_heads, block, n
     lse_ref[...] = lse
 
 
-def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, dmin_ref, dmax_ref, o_ref,
-                 lse_ref, *, page, kv_heads, head_dim, group, block, num_blocks, sm_scale,
-                 prec):
+def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, dig_ref, o_ref, lse_ref, *,
+                 page, pool_pages, head_dim, group, block, num_blocks, sm_scale, prec):
     # q_ref:    [Gp, D] f32                  this (b, h)
     # ids_ref:  [Kp] int32                   selected pool pages of (b, h), -1 = none
-    # k_ref, v_ref: [P * Hkv * page, D/2] u8 (ANY), row (id*Hkv + h)*page + tok, half split
-    # vs_ref, vz_ref: [P * Hkv * page * D/group] bf16 (ANY), value scale / zero per group
-    # dmin_ref, dmax_ref: [P * Hkv * D] bf16 (ANY), key range per page and channel
+    # k_ref, v_ref: [Hkv * P * page, D/2] u8 (ANY), row (h*P + id)*page + tok, half split
+    # vs_ref, vz_ref: [Hkv * P * page * D/group] bf16 (ANY), value scale / zero per group
+    # dig_ref:  [Hkv * P * 2D] bf16 (ANY), key range [min | max] per page and channel
     # o_ref: [Gp, D] f32;  lse_ref: [Gp] f32  (this split)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     half = head_dim // 2
@@ -204,16 +203,16 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, dmin_ref, dmax_re
         t = t0 + i * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
         ids = ids_ref[t >> log_page]                                 # [BT]
         valid = ids >= 0
-        prow = jnp.maximum(ids, 0) * kv_heads + h                    # pool row of the page
+        prow = h * pool_pages + jnp.maximum(ids, 0)                 # pool row of the page
         rows = (prow << log_page) + (t & (page - 1))                 # [BT]
-        col = prow[:, None] * head_dim + chan                        # [BT, D/2]
+        col = prow[:, None] * (2 * head_dim) + chan                  # [BT, D/2]: min, low half
         keep = valid[:, None]
 
         ku = k_ref[rows, :]                                          # [BT, D/2] u8
-        lo_l = dmin_ref[col].astype(jnp.float32)
-        lo_h = dmin_ref[col + half].astype(jnp.float32)
-        step_l = (dmax_ref[col].astype(jnp.float32) - lo_l) / INT4_LEVELS
-        step_h = (dmax_ref[col + half].astype(jnp.float32) - lo_h) / INT4_LEVELS
+        lo_l = dig_ref[col].astype(jnp.float32)
+        lo_h = dig_ref[col + half].astype(jnp.float32)
+        step_l = (dig_ref[col + head_dim].astype(jnp.float32) - lo_l) / INT4_LEVELS
+        step_h = (dig_ref[col + head_dim + half].astype(jnp.float32) - lo_h) / INT4_LEVELS
         k_l = jnp.where(keep, lo_l + (ku & 0xF).astype(jnp.float32) * step_l, 0.0)
         k_h = jnp.where(keep, lo_h + (ku >> 4).astype(jnp.float32) * step_h, 0.0)
         logits = _dot_nt(q_lo, k_l, prec) + _dot_nt(q_hi, k_h, prec)  # [Gp, BT]
@@ -296,10 +295,10 @@ def _dense_part(qp, k, v, valid, k_scale, v_scale, *, sm_scale, cfg, interpret, 
                  interpret, name, [None] * len(operands))
 
 
-def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_min, digest_max, *,
-               sm_scale, cfg, interpret):
+def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest, *, sm_scale, cfg,
+               interpret):
     b, hkv, gp, d = qp.shape
-    p, _, page, half = int4_k.shape
+    _, p, page, half = int4_k.shape
     ngroups = v_scale.shape[-1]
     group = d // ngroups
     if not (_is_pow2(page) and _is_pow2(group) and half * 2 == d):
@@ -314,21 +313,20 @@ def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_min, digest
     ids = cold_ids.astype(jnp.int32)
     if kp != kk:
         ids = jnp.pad(ids, ((0, 0), (0, 0), (0, kp - kk)), constant_values=-1)
-    kernel = functools.partial(_cold_kernel, page=page, kv_heads=hkv, head_dim=d, group=group,
+    kernel = functools.partial(_cold_kernel, page=page, pool_pages=p, head_dim=d, group=group,
                                block=blk, num_blocks=nblk, sm_scale=sm_scale,
                                prec=_PRECISIONS[cfg.precision])
-    operands = [ids, int4_k.reshape(p * hkv * page, half), int4_v.reshape(p * hkv * page, half),
-                v_scale.reshape(-1), v_zero.reshape(-1), digest_min.reshape(-1),
-                digest_max.reshape(-1)]
+    operands = [ids, int4_k.reshape(hkv * p * page, half), int4_v.reshape(hkv * p * page, half),
+                v_scale.reshape(-1), v_zero.reshape(-1), digest.reshape(-1)]
     ids_spec = pl.BlockSpec((None, None, kp), lambda i, j, k: (i, j, 0))
-    return _call(kernel, (b, hkv, splits), qp, operands, [False] + [True] * 6, gp, d, cfg,
-                 interpret, "hisparse_decode_int4", [ids_spec] + [None] * 6)
+    return _call(kernel, (b, hkv, splits), qp, operands, [False] + [True] * 5, gp, d, cfg,
+                 interpret, "hisparse_decode_int4", [ids_spec] + [None] * 5)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
 def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
-                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_min,
-                   digest_max, cold_ids, *, sm_scale, interpret, config):
+                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest, cold_ids,
+                   *, sm_scale, interpret, config):
     b, hkv, g, d = q.shape
     if not (_is_pow2(d) and d >= 32):
         raise ValueError(f"head_dim must be a power of two >= 32, got {d}")
@@ -354,13 +352,13 @@ def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8
                                       name="hisparse_decode_fp8", **kw)))
     if cold_ids.shape[2]:
         parts.append(trim(_cold_part(qp, cold_ids, int4_k, int4_v, int4_v_scale, int4_v_zero,
-                                     digest_min, digest_max, **kw)))
+                                     digest, **kw)))
     return merge_parts(parts)
 
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
-                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_min,
-                  digest_max, cold_ids, *, sm_scale, interpret=None,
+                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest, cold_ids,
+                  *, sm_scale, interpret=None,
                   config: DecodeConfig | None = None):
     """Pallas version of `reference.sparse_decode` (same arguments, same results).
 
@@ -370,9 +368,9 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     fp8_k/v:      [B, Hkv, Tw, D] e4m3     warm ring
     fp8_*_scale:  [B, Hkv, Tw] f32         one scale per token per head
     fp8_valid:    [B, Tw] bool
-    int4_k/v:     [P, Hkv, page, D/2] u8   cold pool (half-split packed)
-    int4_v_scale, int4_v_zero: [P, Hkv, page, D/group] bf16
-    digest_min/max: [P, Hkv, D] bf16       key range of each page (int4 key grid)
+    int4_k/v:     [Hkv, P, page, D/2] u8   cold pool, head-major (half-split packed)
+    int4_v_scale, int4_v_zero: [Hkv, P, page, D/group] bf16
+    digest:       [Hkv, P, 2*D] bf16       key [min | max] of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
     sm_scale:     Python float (static)
     interpret:    None = interpret mode unless on GPU
@@ -381,6 +379,6 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     """
     return _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale,
                           fp8_v_scale, fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero,
-                          digest_min, digest_max, cold_ids, sm_scale=float(sm_scale),
+                          digest, cold_ids, sm_scale=float(sm_scale),
                           interpret=resolve_interpret(interpret),
                           config=config or DecodeConfig())
