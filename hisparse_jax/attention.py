@@ -52,8 +52,8 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     table entry, so they are never candidates.
     """
     page_scores, _ = _ops(implementation)
-    bound, center = page_scores(group_queries(cfg, q), state.digest_min, state.digest_max,
-                                state.page_table)
+    bound, center = page_scores(group_queries(cfg, q), state.digest_center,
+                                state.digest_radius, state.page_table)
     k = min(cfg.budget_pages, cfg.max_pages)
     k_bound = round(k * cfg.bound_share)
     top_b, pages_b = jax.lax.top_k(bound, k_bound)
@@ -85,7 +85,7 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
         group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
         state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
         state.int4_k, state.int4_v, state.int4_v_scale, state.int4_v_zero,
-        state.digest_min, state.digest_max, pool, sm_scale=1.0 / math.sqrt(cfg.head_dim))
+        state.digest_center, state.digest_radius, pool, sm_scale=1.0 / math.sqrt(cfg.head_dim))
     out = out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
     return (out, logical) if return_selection else out
 

@@ -22,7 +22,7 @@ class Bytes:
     bf16_tier: int      # sink + hot K/V
     fp8_tier: int       # warm K/V + scales
     int4_tier: int      # cold K/V codes + value scales/zeros
-    digests: int        # per-page key min/max
+    digests: int        # per-page key range (centre, radius)
     page_tables: int    # page table, lengths, free-page stack
     host: int = 0       # bytes kept off the device (offload mode)
 

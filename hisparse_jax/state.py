@@ -4,7 +4,7 @@ Layout (B = max_seqs, P = pool pages, Tb = sink + hot tokens, Tw = warm tokens):
 - bf16 tier: per-sequence slots, the sink pages first, then a ring of hot pages.
 - fp8 tier: per-sequence ring of warm pages, one scale per token per head.
 - int4 tier: a shared pool of cold pages, reached through a page table; each pool
-  page also holds the page's key digest (per-channel min/max).
+  page also holds the key digest (per-channel range as centre and radius).
 Tier membership is a function of the sequence length only (see `slot_positions`),
 so nothing but `seq_lens` records it.
 """
@@ -30,12 +30,16 @@ class CacheState:
     fp8_v: jax.Array         # [B, Hkv, Tw, D] float8_e4m3fn
     fp8_k_scale: jax.Array   # [B, Hkv, Tw] f32
     fp8_v_scale: jax.Array   # [B, Hkv, Tw] f32
-    int4_k: jax.Array        # [P, Hkv, page, D/2] uint8: cold pool, keys per channel per page
-    int4_v: jax.Array        # [P, Hkv, page, D/2] uint8: values per token in groups
-    int4_v_scale: jax.Array  # [P, Hkv, page, D/group] bf16
-    int4_v_zero: jax.Array   # [P, Hkv, page, D/group] bf16
-    digest_min: jax.Array    # [P, Hkv, D] bf16: per-channel key min of the page
-    digest_max: jax.Array    # [P, Hkv, D] bf16
+    # Cold pool, head-major (a KV head's pages are contiguous: shards over heads,
+    # and one GPU program per (sequence, head) reads one slab).
+    int4_k: jax.Array        # [Hkv, P, page, D/2] uint8: keys per channel per page
+    int4_v: jax.Array        # [Hkv, P, page, D/2] uint8: values per token in groups
+    int4_v_scale: jax.Array  # [Hkv, P, page, D/group] bf16
+    int4_v_zero: jax.Array   # [Hkv, P, page, D/group] bf16
+    # The page digest: per-channel key range as centre and radius (Quest's bound
+    # and the int4 key grid at once).
+    digest_center: jax.Array  # [Hkv, P, D] bf16
+    digest_radius: jax.Array  # [Hkv, P, D] bf16
     page_table: jax.Array    # [B, max_pages] int32: logical page -> pool page, -1 if not cold
     seq_lens: jax.Array      # [B] int32
     free_pages: jax.Array    # [P] int32: stack of free pool pages, top at num_free - 1
@@ -53,9 +57,9 @@ def init_state(cfg: HiSparseConfig) -> CacheState:
         bf16_k=z((b, h, tb, d), jnp.bfloat16), bf16_v=z((b, h, tb, d), jnp.bfloat16),
         fp8_k=z((b, h, tw, d), FP8_DTYPE), fp8_v=z((b, h, tw, d), FP8_DTYPE),
         fp8_k_scale=z((b, h, tw), jnp.float32), fp8_v_scale=z((b, h, tw), jnp.float32),
-        int4_k=z((p, h, pg, d // 2), jnp.uint8), int4_v=z((p, h, pg, d // 2), jnp.uint8),
-        int4_v_scale=z((p, h, pg, ng), jnp.bfloat16), int4_v_zero=z((p, h, pg, ng), jnp.bfloat16),
-        digest_min=z((p, h, d), jnp.bfloat16), digest_max=z((p, h, d), jnp.bfloat16),
+        int4_k=z((h, p, pg, d // 2), jnp.uint8), int4_v=z((h, p, pg, d // 2), jnp.uint8),
+        int4_v_scale=z((h, p, pg, ng), jnp.bfloat16), int4_v_zero=z((h, p, pg, ng), jnp.bfloat16),
+        digest_center=z((h, p, d), jnp.bfloat16), digest_radius=z((h, p, d), jnp.bfloat16),
         page_table=jnp.full((b, cfg.max_pages), -1, jnp.int32),
         seq_lens=z((b,), jnp.int32),
         free_pages=jnp.arange(p - 1, -1, -1, dtype=jnp.int32),  # page 0 popped first
@@ -104,16 +108,17 @@ def num_cold_pages(cfg: HiSparseConfig, length):
 def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
     """Encode whole pages [n, Hkv, page, D] (f32) into pool pages `pool_ids` [n]
     (entries >= pool size are dropped)."""
-    kq, dmin, dmax = encode_cold_keys(k_pages)
+    kq, center, radius = encode_cold_keys(k_pages)
     vq, vs, vz = encode_cold_values(v_pages, cfg.value_group)
 
-    def put(pool, val):
-        return pool.at[pool_ids].set(val.astype(pool.dtype), mode="drop")
+    def put(pool, val):  # val [n, Hkv, ...] -> pool [Hkv, P, ...]
+        return pool.at[:, pool_ids].set(jnp.swapaxes(val, 0, 1).astype(pool.dtype), mode="drop")
 
     return state.replace(
         int4_k=put(state.int4_k, kq), int4_v=put(state.int4_v, vq),
         int4_v_scale=put(state.int4_v_scale, vs), int4_v_zero=put(state.int4_v_zero, vz),
-        digest_min=put(state.digest_min, dmin), digest_max=put(state.digest_max, dmax))
+        digest_center=put(state.digest_center, center),
+        digest_radius=put(state.digest_radius, radius))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

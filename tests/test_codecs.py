@@ -16,13 +16,14 @@ def test_pack_roundtrip():
 def test_key_digest_bounds_dequantized_keys(d):
     rng = np.random.default_rng(d)
     k = (rng.normal(size=(7, 3, 16, d)) * rng.uniform(0.1, 20, size=d)).astype(np.float32)
-    packed, lo, hi = encode_cold_keys(jnp.asarray(k))
-    kd = np.asarray(decode_cold_keys(packed, lo, hi))
-    lo, hi = np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+    packed, c, r = encode_cold_keys(jnp.asarray(k))
+    kd = np.asarray(decode_cold_keys(packed, c, r))
+    c, r = np.asarray(c, np.float32), np.asarray(r, np.float32)
+    lo, hi = c - r, c + r
     assert np.all(lo[..., None, :] <= k) and np.all(k <= hi[..., None, :])
     ulp = 1e-6 * np.maximum(np.abs(lo), np.abs(hi))[..., None, :]  # f32 rounding of lo + 15*step
     assert np.all(lo[..., None, :] <= kd + ulp) and np.all(kd <= hi[..., None, :] + ulp)
-    step = (hi - lo) / 15
+    step = 2 * r / 15
     assert np.all(np.abs(kd - k) <= step[..., None, :] * 0.5 + 2 * ulp)
 
 

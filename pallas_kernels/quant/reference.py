@@ -63,22 +63,30 @@ def decode_fp8(codes: jax.Array, scale: jax.Array) -> jax.Array:
 
 def encode_cold_keys(k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Keys of whole pages [..., page, D] -> (packed [..., page, D/2] uint8,
-    digest_min [..., D] bf16, digest_max [..., D] bf16).
+    center [..., D] bf16, radius [..., D] bf16).
 
-    Per-channel asymmetric int4 over the page; the range is the page digest (the
-    Quest bound), rounded outward to bf16 so it bounds every dequantized key.
+    The digest is the page's per-channel key range [min, max], stored as centre
+    and radius (bf16; the radius rounded up so [c - r, c + r] still holds every
+    key). It is both the Quest bound's input and the int4 grid: per-channel
+    asymmetric codes on c - r + code * 2r/15.
     """
     k = k.astype(jnp.float32)
-    dmin = round_bf16_down(jnp.min(k, axis=-2))
-    dmax = round_bf16_up(jnp.max(k, axis=-2))
-    lo = dmin.astype(jnp.float32)[..., None, :]
-    step = (dmax.astype(jnp.float32)[..., None, :] - lo) / INT4_LEVELS
-    return pack_int4(_quantize(k, lo, step)), dmin, dmax
+    kmin, kmax = jnp.min(k, axis=-2), jnp.max(k, axis=-2)
+    center = ((kmin + kmax) * 0.5).astype(jnp.bfloat16)
+    c = center.astype(jnp.float32)
+    radius = round_bf16_up(jnp.maximum(c - kmin, kmax - c))
+    lo, step = _key_grid(center, radius)
+    return pack_int4(_quantize(k, lo, step)), center, radius
 
 
-def decode_cold_keys(packed, dmin, dmax) -> jax.Array:
-    lo = dmin.astype(jnp.float32)[..., None, :]
-    step = (dmax.astype(jnp.float32)[..., None, :] - lo) / INT4_LEVELS
+def _key_grid(center, radius):
+    c = center.astype(jnp.float32)[..., None, :]
+    r = radius.astype(jnp.float32)[..., None, :]
+    return c - r, r * (2.0 / INT4_LEVELS)
+
+
+def decode_cold_keys(packed, center, radius) -> jax.Array:
+    lo, step = _key_grid(center, radius)
     return lo + unpack_int4(packed) * step
 
 

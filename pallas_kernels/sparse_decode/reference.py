@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant.reference import decode_cold_keys, decode_cold_values, decode_fp8
+from pallas_kernels.quant.reference import INT4_LEVELS, decode_fp8
 
 
 def attend_part(q, k, v, valid, sm_scale):
@@ -42,9 +42,57 @@ def merge_parts(parts):
     return out, lse
 
 
+def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
+                 cold_ids, sm_scale):
+    """Selected int4 pages -> (out, lse), without building dequantized K/V tiles:
+    logits = q.lo + (q * step).code per half; out = p.zero + (p * scale).code.
+    Codes are uint8 (always finite); the per-page ranges and scales of unselected
+    slots (-1) are replaced by zeros before use, so stale pool data never leaks."""
+    b, hkv, g, d = q.shape
+    half = d // 2
+    heads = jnp.arange(hkv)[None, :, None]
+    ok = cold_ids >= 0                                       # [B, Hkv, K]
+    ids = jnp.maximum(cold_ids, 0)
+
+    def take(pool):  # [Hkv, P, ...] -> [B, Hkv, K, ...]
+        return pool[heads, ids]
+
+    c = jnp.where(ok[..., None], take(digest_center).astype(jnp.float32), 0.0)
+    r = jnp.where(ok[..., None], take(digest_radius).astype(jnp.float32), 0.0)
+    lo, step = c - r, r * (2.0 / INT4_LEVELS)                # [B, Hkv, K, D]
+    kc = take(int4_k)                                        # [B, Hkv, K, T, D/2] uint8
+    qs = q[:, :, :, None, :] * step[:, :, None]              # [B, Hkv, G, K, D]
+    logits = (jnp.einsum("bhgd,bhkd->bhgk", q, lo)[..., None]
+              + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., :half], (kc & 0xF).astype(jnp.float32))
+              + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., half:], (kc >> 4).astype(jnp.float32)))
+    logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale, -jnp.inf)
+    m = jnp.max(logits, axis=(-2, -1))
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
+    denom = jnp.sum(p, axis=(-2, -1))
+
+    scale = jnp.where(ok[..., None, None], take(int4_v_scale).astype(jnp.float32), 0.0)
+    zero = jnp.where(ok[..., None, None], take(int4_v_zero).astype(jnp.float32), 0.0)
+    ng = scale.shape[-1]                                     # [B, Hkv, K, T, ng]
+    vc = take(int4_v)
+    grouped = (vc & 0xF, vc >> 4)                            # channel halves
+    pz = jnp.einsum("bhgkt,bhktj->bhgj", p, zero)            # [B, Hkv, G, ng]
+    ps = p[..., None] * scale[:, :, None]                    # [B, Hkv, G, K, T, ng]
+    outs = []
+    for i, codes in enumerate(grouped):  # half i holds groups [i*ng/2, (i+1)*ng/2)
+        j = slice(i * ng // 2, (i + 1) * ng // 2)
+        c = codes.astype(jnp.float32).reshape(*codes.shape[:-1], ng // 2, -1)
+        outs.append(jnp.einsum("bhgktj,bhktjc->bhgjc", ps[..., j], c)
+                    + pz[..., j, None])
+    out = jnp.concatenate(outs, axis=-2).reshape(b, hkv, g, d)
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse
+
+
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
-                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_min,
-                  digest_max, cold_ids, *, sm_scale):
+                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
+                  digest_radius, cold_ids, *, sm_scale):
     """Decode attention of one query per sequence over its attended set.
 
     q:            [B, Hkv, G, D] float32
@@ -53,9 +101,9 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     fp8_k/v:      [B, Hkv, Tw, D] e4m3     warm ring
     fp8_*_scale:  [B, Hkv, Tw] f32         one scale per token per head
     fp8_valid:    [B, Tw] bool
-    int4_k/v:     [P, Hkv, page, D/2] u8   cold pool (half-split packed)
-    int4_v_scale, int4_v_zero: [P, Hkv, page, D/group] bf16
-    digest_min/max: [P, Hkv, D] bf16       key range of each page (int4 key grid)
+    int4_k/v:     [Hkv, P, page, D/2] u8   cold pool (half-split packed)
+    int4_v_scale, int4_v_zero: [Hkv, P, page, D/group] bf16
+    digest_center, digest_radius: [Hkv, P, D] bf16  key range of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
     returns (out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32)
     """
@@ -71,16 +119,6 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
         parts.append(attend_part(q, decode_fp8(fp8_k, fp8_k_scale),
                                  decode_fp8(fp8_v, fp8_v_scale), tile(fp8_valid), sm_scale))
     if cold_ids.shape[2]:
-        b, _, kk = cold_ids.shape
-        ids = jnp.maximum(cold_ids, 0)
-        heads = jnp.arange(hkv)[None, :, None]
-        # [B, Hkv, K, page, ...]: page `ids` of head h for every (b, h, k).
-        k = decode_cold_keys(int4_k[ids, heads], digest_min[ids, heads], digest_max[ids, heads])
-        v = decode_cold_values(int4_v[ids, heads], int4_v_scale[ids, heads],
-                               int4_v_zero[ids, heads])
-        page = k.shape[3]
-        valid = jnp.broadcast_to((cold_ids >= 0)[..., None], (b, hkv, kk, page))
-        parts.append(attend_part(q, k.reshape(b, hkv, kk * page, -1),
-                                 v.reshape(b, hkv, kk * page, -1),
-                                 valid.reshape(b, hkv, kk * page), sm_scale))
+        parts.append(_attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
+                                  digest_radius, cold_ids, sm_scale))
     return merge_parts(parts)
