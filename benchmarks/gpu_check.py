@@ -6,7 +6,7 @@ bf16 decode baseline. Writes one JSON row per check / timed case.
     python benchmarks/gpu_check.py --dry-run       # CPU, tiny shapes, interpret mode (< 1 min)
 
 Inputs are synthetic arrays of the right shapes and dtypes (random codes,
-random digests with min <= max, random page tables); nothing here builds a
+random digests (centre, radius >= 0), random page tables); nothing here builds a
 HiSparse cache, so it does not depend on the cache code.
 
 Timed implementations per case (Llama-3-8B heads: 32 q heads, 8 kv heads, D 128):
@@ -94,10 +94,10 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
         int4_v_zero=jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
                                        -1.5, -0.5).astype(jnp.bfloat16),
     )
-    lo = jax.random.normal(next(ks), (h, pool, d), jnp.float32)
-    width = jax.random.uniform(next(ks), (h, pool, d), jnp.float32, 0.0, 3.0)
-    arrays["digest"] = jnp.concatenate(  # [Hkv, P, 2D] = [min | max], min <= max
-        [quant_ref.round_bf16_down(lo), quant_ref.round_bf16_up(lo + width)], axis=-1)
+    # Digest: per-channel key range centre and radius (>= 0) of each page, [Hkv, P, D].
+    arrays["digest_center"] = jax.random.normal(next(ks), (h, pool, d), jnp.bfloat16)
+    arrays["digest_radius"] = jax.random.uniform(next(ks), (h, pool, d), jnp.float32,
+                                                 0.0, 1.5).astype(jnp.bfloat16)
     # Sequence i owns logical pages i*n .. i*n+n-1 of the pool (aliased modulo pool);
     # the most recent pages (sink/hot/warm) are not candidates.
     table = (jnp.arange(b, dtype=jnp.int32)[:, None] * n + jnp.arange(n, dtype=jnp.int32)) % pool
@@ -158,7 +158,7 @@ def select(bound, center, table, k):
 
 DECODE_ARGS = ("q", "bf16_k", "bf16_v", "bf16_valid", "fp8_k", "fp8_v", "fp8_k_scale",
                "fp8_v_scale", "fp8_valid", "int4_k", "int4_v", "int4_v_scale", "int4_v_zero",
-               "digest")
+               "digest_center", "digest_radius")
 
 
 def make_steps(dims, interpret):
@@ -177,7 +177,8 @@ def make_steps(dims, interpret):
 
         @jax.jit
         def step(a):
-            bound, center = scores(a["q"], a["digest"], a["page_table"])
+            bound, center = scores(a["q"], a["digest_center"], a["digest_radius"],
+                                   a["page_table"])
             cold = select(bound, center, a["page_table"], k)
             out, _ = decode(*(a[n] for n in DECODE_ARGS), cold)
             return out
@@ -185,7 +186,8 @@ def make_steps(dims, interpret):
 
     @jax.jit
     def lookup_pallas(a):
-        return ops["pallas"][0](a["q"], a["digest"], a["page_table"])
+        return ops["pallas"][0](a["q"], a["digest_center"], a["digest_radius"],
+                                a["page_table"])
 
     @jax.jit
     def decode_pallas(a):
@@ -234,7 +236,8 @@ def checks(interpret, dry_run):
                              warm=32 if dry_run else 384, budget=256, value_group=32,
                              with_dense=False)
     # lookup
-    args = (arrays["q"], arrays["digest"], arrays["page_table"])
+    args = (arrays["q"], arrays["digest_center"], arrays["digest_radius"],
+            arrays["page_table"])
     got = lookup_kernel.page_scores(*args, interpret=interpret)
     ref = jax.jit(lookup_ref.page_scores)(*args)
     err = max(_rel_err(x, y) for x, y in zip(got, ref))
@@ -249,7 +252,8 @@ def checks(interpret, dry_run):
     a["bf16_valid"] = a["bf16_valid"].at[:, 1::3].set(False)
     a["bf16_k"] = jnp.where(a["bf16_valid"][:, None, :, None], a["bf16_k"], jnp.nan)
     a["int4_v_scale"] = a["int4_v_scale"].at[:, 0].set(jnp.nan)
-    a["digest"] = a["digest"].at[:, 0].set(jnp.nan)
+    a["digest_center"] = a["digest_center"].at[:, 0].set(jnp.nan)
+    a["digest_radius"] = a["digest_radius"].at[:, 0].set(jnp.nan)
     dargs = [a[n] for n in DECODE_ARGS] + [cold]
     for prec in ("bf16x3", "f32", "bf16"):
         cfg = decode_kernel.DecodeConfig(precision=prec)
@@ -371,7 +375,8 @@ def main(argv=None):
                 a = arrays
                 if impl == "decode_pallas":
                     bound, center = lookup_ref.page_scores(
-                        arrays["q"], arrays["digest"], arrays["page_table"])
+                        arrays["q"], arrays["digest_center"], arrays["digest_radius"],
+                        arrays["page_table"])
                     a = dict(arrays, cold_ids=select(bound, center, arrays["page_table"],
                                                      dims["cold_pages"]))
                 try:

@@ -84,17 +84,16 @@ LOOKUP_CASES = [
 def make_lookup(c: LookupCase, seed=0):
     k = keys(seed, 5)
     q = jax.random.normal(k[0], (c.batch, c.kv_heads, c.group, c.head_dim)) * 2.0
-    lo = jax.random.normal(k[1], (c.kv_heads, c.pool, c.head_dim))
-    width = jax.random.uniform(k[2], (c.kv_heads, c.pool, c.head_dim)) * 2.0
-    digest = jnp.concatenate([quant_ref.round_bf16_down(lo),
-                              quant_ref.round_bf16_up(lo + width)], axis=-1)
+    center = jax.random.normal(k[1], (c.kv_heads, c.pool, c.head_dim))
+    radius = jax.random.uniform(k[2], (c.kv_heads, c.pool, c.head_dim))
     # Pool page 0 and the top quarter of the pool are unused: NaN digests.
     unused = (jnp.arange(c.pool) == 0) | (jnp.arange(c.pool) >= c.pool * 3 // 4)
-    digest = jnp.where(unused[None, :, None], jnp.nan, digest).astype(jnp.bfloat16)
+    center = jnp.where(unused[None, :, None], jnp.nan, center).astype(jnp.bfloat16)
+    radius = jnp.where(unused[None, :, None], jnp.nan, radius).astype(jnp.bfloat16)
     table = jax.random.randint(k[3], (c.batch, c.pages), 1, c.pool * 3 // 4)
     table = jnp.where(jax.random.uniform(k[4], table.shape) < 0.3, -1, table)
     table = table.at[-1, c.pages // 2:].set(-1)  # a ragged tail
-    return q, digest, table.astype(jnp.int32)
+    return q, center, radius, table.astype(jnp.int32)
 
 
 @pytest.mark.parametrize("case", LOOKUP_CASES, ids=str)
@@ -111,9 +110,9 @@ def test_lookup_matches_reference(case):
 
 def test_lookup_all_empty_row():
     case = LookupCase(2, 2, 4, 64, 9, 16)
-    q, digest, table = make_lookup(case)
+    q, dc, dr, table = make_lookup(case)
     table = table.at[0].set(-1)
-    bound, center = lookup_kernel.page_scores(q, digest, table, interpret=True)
+    bound, center = lookup_kernel.page_scores(q, dc, dr, table, interpret=True)
     assert np.isneginf(bound[0]).all() and np.isneginf(center[0]).all()
 
 
@@ -195,7 +194,7 @@ F32 = decode_kernel.DecodeConfig(precision="f32", block_tokens=16, num_splits=3)
 DECODE_CASES = [
     DecodeCase(16, 64, 1, 21, 13, 5),
     DecodeCase(32, 128, 4, 19, 9, 3),
-    DecodeCase(64, 64, 8, 33, 7, 2, value_group=64),
+    DecodeCase(64, 64, 8, 33, 7, 2, value_group=16),
     DecodeCase(16, 128, 8, 8, 0, 4, value_group=16),                 # empty fp8 part
     DecodeCase(32, 64, 4, 21, 13, 3, cold_empty=True),               # all cold_ids -1
     DecodeCase(16, 64, 4, 21, 13, 0),                                # no cold slots at all
@@ -224,21 +223,21 @@ def make_decode(c: DecodeCase, seed=0):
     fks = jnp.where(fvalid[:, None, :], fks, jnp.nan)
     fvs = jnp.where(fvalid[:, None, :], fvs, jnp.nan)
     # Head-major cold pool [Hkv, P, ...], encoded by the reference codecs.
-    k4, dmin, dmax = quant_ref.encode_cold_keys(
+    k4, dc, dr = quant_ref.encode_cold_keys(
         jax.random.normal(k[7], (h, c.pool, c.page, d)) * 1.5)
     v4, vs, vz = quant_ref.encode_cold_values(
         jax.random.normal(k[8], (h, c.pool, c.page, d)), c.value_group)
-    digest = jnp.concatenate([dmin, dmax], axis=-1)
     # Pool page 0 (what cold_ids == -1 clamps to) and the top pages are unused: NaN.
     unused = (jnp.arange(c.pool) == 0) | (jnp.arange(c.pool) >= c.pool - 2)
-    digest = jnp.where(unused[None, :, None], jnp.nan, digest).astype(jnp.bfloat16)
+    dc = jnp.where(unused[None, :, None], jnp.nan, dc).astype(jnp.bfloat16)
+    dr = jnp.where(unused[None, :, None], jnp.nan, dr).astype(jnp.bfloat16)
     vs = jnp.where(unused[None, :, None, None], jnp.nan, vs).astype(jnp.bfloat16)
     vz = jnp.where(unused[None, :, None, None], jnp.nan, vz).astype(jnp.bfloat16)
     ids = jax.random.randint(k[9], (b, h, c.cold), 1, c.pool - 2)
     ids = jnp.where(jax.random.uniform(k[10], ids.shape) < 0.3, -1, ids)
     if c.cold_empty:
         ids = jnp.full_like(ids, -1)
-    return (q, bk, bv, bvalid, fk, fv, fks, fvs, fvalid, k4, v4, vs, vz, digest,
+    return (q, bk, bv, bvalid, fk, fv, fks, fvs, fvalid, k4, v4, vs, vz, dc, dr,
             ids.astype(jnp.int32))
 
 

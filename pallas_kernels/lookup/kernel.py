@@ -2,17 +2,17 @@
 candidate page, same signature and semantics as `reference.page_scores`.
 
 Grid (batch, kv head, page block). Each program loads `block_pages` entries of
-the page table, gathers the matching digest rows [lo | hi] straight from the
-head-major pool (`ref[rows, :]`, no copy of the pool) and scores them with two
-bf16 tensor-core dots accumulated in f32, exactly the reference's arithmetic:
+the page table, gathers the matching digest rows (centre c, radius r) straight
+from the head-major pools (`ref[rows, :]`, no copy of a pool) and scores them
+with bf16 tensor-core dots accumulated in f32, the reference's arithmetic:
 
-    bound  = [q- | q+]   . [lo | hi]   (Quest's upper bound on q.k / sqrt(D))
-    center = [q/2 | q/2] . [lo | hi]
+    center = q.c            bound = q.c + |q|.r   (Quest's upper bound on q.k)
 
-The bf16 query rows are built in the wrapper (tiny) and padded to 16 rows
-(tl.dot needs M >= 16); padded rows are masked to -inf before the log-sum-exp
-over the GQA group. Non-candidates (page_table < 0) get -inf; their clamped
-digest reads never reach the output (removed with `where`).
+with q / sqrt(D) rounded to bf16. The bf16 query rows are built in the wrapper
+(tiny) and padded to 16 rows (tl.dot needs M >= 16); padded rows are masked to
+-inf before the log-sum-exp over the GQA group. Non-candidates (page_table < 0)
+get -inf; their clamped digest reads are zeroed with `where`, so NaN in unused
+pool pages never reaches the output.
 """
 
 from __future__ import annotations
@@ -73,22 +73,25 @@ class LookupConfig:
         return LookupConfig(block_pages=bp, num_warps=4, num_stages=2)
 
 
-def _lookup_kernel(qb_ref, qc_ref, pt_ref, dig_ref, bound_ref, center_ref, *,
+def _lookup_kernel(qc_ref, qa_ref, pt_ref, c_ref, r_ref, bound_ref, center_ref, *,
                    group, num_pages_pool):
-    # qb_ref:   [Mp, 2D] bf16   [q- | q+] / sqrt(D) of this (b, h); rows >= G are zero
-    # qc_ref:   [Mp, 2D] bf16   [q/2 | q/2] / sqrt(D)
+    # qc_ref:   [Mp, D] bf16    q / sqrt(D) of this (b, h); rows >= G are zero
+    # qa_ref:   [Mp, D] bf16    |q| / sqrt(D)
     # pt_ref:   [BN] int32      page-table entries of this block, -1 = none
-    # dig_ref:  [Hkv * P, 2D] bf16  whole pool (memory_space=ANY), row = h*P + page
+    # c_ref, r_ref: [Hkv * P, D] bf16  whole pools (memory_space=ANY), row = h*P + page
     # bound_ref, center_ref: [BN] f32
     h = pl.program_id(1)
     ids = pt_ref[...]                                       # [BN]
     ok = ids >= 0
     rows = h * num_pages_pool + jnp.maximum(ids, 0)         # [BN]
-    dig = jnp.where(ok[:, None], dig_ref[rows, :], 0.0).astype(jnp.bfloat16)  # [BN, 2D]
+    c = jnp.where(ok[:, None], c_ref[rows, :], 0.0).astype(jnp.bfloat16)  # [BN, D]
+    r = jnp.where(ok[:, None], r_ref[rows, :], 0.0).astype(jnp.bfloat16)
 
-    def score(q_ref):  # [Mp, BN] f32 -> log-sum-exp over the G real rows -> [BN]
-        s = lax.dot_general(q_ref[...], dig, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+    def dot(q_ref, x):  # [Mp, D] x [BN, D] -> [Mp, BN] f32
+        return lax.dot_general(q_ref[...], x, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def lse(s):  # log-sum-exp over the G real rows -> [BN]
         row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
         s = jnp.where(row < group, s, -jnp.inf)
         m = jnp.max(s, axis=0)
@@ -96,26 +99,29 @@ def _lookup_kernel(qb_ref, qc_ref, pt_ref, dig_ref, bound_ref, center_ref, *,
         out = jnp.log(jnp.sum(jnp.exp(s - m_safe[None, :]), axis=0)) + m_safe
         return jnp.where(ok, out, -jnp.inf)
 
-    bound_ref[...] = score(qb_ref)
-    center_ref[...] = score(qc_ref)
+    center = dot(qc_ref, c)
+    bound = center + dot(qa_ref, r)
+    bound_ref[...] = lse(bound)
+    center_ref[...] = lse(center)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def page_scores(q: jax.Array, digest: jax.Array, page_table: jax.Array, *,
-                interpret=None, config: LookupConfig | None = None
+def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array,
+                page_table: jax.Array, *, interpret=None, config: LookupConfig | None = None
                 ) -> tuple[jax.Array, jax.Array]:
     """Pallas version of `reference.page_scores` (same arguments, same results).
 
-    q:          [B, Hkv, G, D] float  (query heads grouped by their KV head)
-    digest:     [Hkv, P, 2*D] bf16    per-channel key [min | max] of each pool page
-    page_table: [B, N] int32          logical page -> pool page, -1 = not a candidate
-    returns     (bound, center), each [B, Hkv, N] float32, -inf for non-candidates
-    interpret:  None = interpret mode unless on GPU.
-    config:     LookupConfig, None = `LookupConfig.default(...)`.
+    q:             [B, Hkv, G, D] float  (query heads grouped by their KV head)
+    digest_center: [Hkv, P, D] bf16      per-channel key range centre of each pool page
+    digest_radius: [Hkv, P, D] bf16      ... and half-width
+    page_table:    [B, N] int32          logical page -> pool page, -1 = not a candidate
+    returns        (bound, center), each [B, Hkv, N] float32, -inf for non-candidates
+    interpret:     None = interpret mode unless on GPU.
+    config:        LookupConfig, None = `LookupConfig.default(...)`.
     """
     interpret = resolve_interpret(interpret)
     b, hkv, g, d = q.shape
-    p = digest.shape[1]
+    p = digest_center.shape[1]
     n = page_table.shape[1]
     if not _is_pow2(d):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -131,13 +137,11 @@ def page_scores(q: jax.Array, digest: jax.Array, page_table: jax.Array, *,
     # The reference's bf16 query rows, padded to Mp >= 16 rows for tl.dot.
     mp = max(16, _pow2_ceil(g))
     qs = q.astype(jnp.float32) * (1.0 / math.sqrt(d))
-    qb = jnp.concatenate([jnp.minimum(qs, 0.0), jnp.maximum(qs, 0.0)], axis=-1)
-    qc = jnp.concatenate([qs * 0.5, qs * 0.5], axis=-1)
     pad = ((0, 0), (0, 0), (0, mp - g), (0, 0))
-    qb = jnp.pad(qb.astype(jnp.bfloat16), pad)
-    qc = jnp.pad(qc.astype(jnp.bfloat16), pad)
+    qc = jnp.pad(qs.astype(jnp.bfloat16), pad)
+    qa = jnp.pad(jnp.abs(qs).astype(jnp.bfloat16), pad)
     kernel = functools.partial(_lookup_kernel, group=g, num_pages_pool=p)
-    q_spec = pl.BlockSpec((None, None, mp, 2 * d), lambda i, j, k: (i, j, 0, 0))
+    q_spec = pl.BlockSpec((None, None, mp, d), lambda i, j, k: (i, j, 0, 0))
     out_spec = pl.BlockSpec((None, None, bn), lambda i, j, k: (i, j, k))
     out_shape = jax.ShapeDtypeStruct((b, hkv, n_pad), jnp.float32)
     bound, center = pl.pallas_call(
@@ -145,6 +149,7 @@ def page_scores(q: jax.Array, digest: jax.Array, page_table: jax.Array, *,
         grid=(b, hkv, n_pad // bn),
         in_specs=[q_spec, q_spec,
                   pl.BlockSpec((None, bn), lambda i, j, k: (i, k)),
+                  pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[out_spec, out_spec],
         out_shape=[out_shape, out_shape],
@@ -152,5 +157,5 @@ def page_scores(q: jax.Array, digest: jax.Array, page_table: jax.Array, *,
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps,
                                             num_stages=cfg.num_stages),
         name="hisparse_page_scores",
-    )(qb, qc, pt, digest.reshape(hkv * p, 2 * d))
+    )(qc, qa, pt, digest_center.reshape(hkv * p, d), digest_radius.reshape(hkv * p, d))
     return bound[:, :, :n], center[:, :, :n]

@@ -163,25 +163,26 @@ def encode_fp8(x: jax.Array, *, interpret=None, config: QuantConfig | None = Non
 # ----------------------------------------------------------------------------- cold keys
 
 
-def _cold_keys_kernel(k_ref, packed_ref, dmin_ref, dmax_ref, *, half, interpret):
+def _cold_keys_kernel(k_ref, packed_ref, center_ref, radius_ref, *, half, interpret):
     # k_ref: [page, D] any float (one page); packed_ref: [page, D/2] u8;
-    # dmin_ref, dmax_ref: [D] bf16
+    # center_ref, radius_ref: [D] bf16
     codes = []
     for j in range(2):  # low half (channels 0..D/2-1), high half (D/2..D-1)
         k = k_ref[:, pl.ds(j * half, half)].astype(jnp.float32)      # [page, D/2]
-        dmin = _round_bf16(jnp.min(k, axis=0), up=False)              # [D/2]
-        dmax = _round_bf16(jnp.max(k, axis=0), up=True)
-        step = _div(dmax - dmin, INT4_LEVELS, interpret)
-        codes.append(_quantize(k, dmin[None, :], step[None, :], interpret))
-        dmin_ref[pl.ds(j * half, half)] = dmin.astype(jnp.bfloat16)
-        dmax_ref[pl.ds(j * half, half)] = dmax.astype(jnp.bfloat16)
+        kmin, kmax = jnp.min(k, axis=0), jnp.max(k, axis=0)           # [D/2]
+        c = ((kmin + kmax) * 0.5).astype(jnp.bfloat16).astype(jnp.float32)
+        r = _round_bf16(jnp.maximum(c - kmin, kmax - c), up=True)
+        lo, step = c - r, r * (2.0 / INT4_LEVELS)
+        codes.append(_quantize(k, lo[None, :], step[None, :], interpret))
+        center_ref[pl.ds(j * half, half)] = c.astype(jnp.bfloat16)
+        radius_ref[pl.ds(j * half, half)] = r.astype(jnp.bfloat16)
     packed_ref[...] = _pack(codes[0], codes[1])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None = None):
     """Keys of whole pages [..., page, D] -> (packed [..., page, D/2] u8,
-    digest_min [..., D] bf16, digest_max [..., D] bf16); see reference.encode_cold_keys.
+    center [..., D] bf16, radius [..., D] bf16); see reference.encode_cold_keys.
     page and D must be powers of two. One page per program."""
     interpret = resolve_interpret(interpret)
     cfg = config or QuantConfig()
@@ -192,7 +193,7 @@ def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None
     for s in lead:
         n *= s
     half = d // 2
-    packed, dmin, dmax = pl.pallas_call(
+    packed, center, radius = pl.pallas_call(
         functools.partial(_cold_keys_kernel, half=half, interpret=interpret),
         grid=(n,),
         in_specs=[pl.BlockSpec((None, page, d), lambda i: (i, 0, 0))],
@@ -205,7 +206,8 @@ def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None
         interpret=interpret, compiler_params=_params(cfg), name="hisparse_encode_cold_keys",
     )(k.reshape(n, page, d))
     lead = tuple(lead)
-    return (packed.reshape(*lead, page, half), dmin.reshape(*lead, d), dmax.reshape(*lead, d))
+    return (packed.reshape(*lead, page, half), center.reshape(*lead, d),
+            radius.reshape(*lead, d))
 
 
 # ----------------------------------------------------------------------------- cold values

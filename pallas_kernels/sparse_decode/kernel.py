@@ -8,7 +8,7 @@ Three pallas_calls, one per part, each on a grid (batch, kv head, split):
   and the per-token V scale the probabilities (no dequantized tile is built);
 - int4 cold part: the selected pool pages, gathered by `cold_ids`; nibbles are
   unpacked in registers into the two half-split halves, keys dequantized as
-  lo + code * step (lo/step from the page digest), values as zero + code * scale
+  lo + code * step (lo = c - r, step = 2r/15 from the page digest), values as zero + code * scale
   per channel group, and each half is dotted with the matching half of q.
 Every split keeps an online softmax and emits (out, lse); splits and parts are
 merged by log-sum-exp in XLA (`reference.merge_parts`).
@@ -177,13 +177,13 @@ def _dense_kernel(q_ref, valid_ref, k_ref, v_ref, *rest, seq, kv_heads, block, n
     lse_ref[...] = lse
 
 
-def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, dig_ref, o_ref, lse_ref, *,
+def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_ref, lse_ref, *,
                  page, pool_pages, head_dim, group, block, num_blocks, sm_scale, prec):
     # q_ref:    [Gp, D] f32                  this (b, h)
     # ids_ref:  [Kp] int32                   selected pool pages of (b, h), -1 = none
     # k_ref, v_ref: [Hkv * P * page, D/2] u8 (ANY), row (h*P + id)*page + tok, half split
     # vs_ref, vz_ref: [Hkv * P * page * D/group] bf16 (ANY), value scale / zero per group
-    # dig_ref:  [Hkv * P * 2D] bf16 (ANY), key range [min | max] per page and channel
+    # c_ref, r_ref: [Hkv * P * D] bf16 (ANY), key range centre / radius per page, channel
     # o_ref: [Gp, D] f32;  lse_ref: [Gp] f32  (this split)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     half = head_dim // 2
@@ -205,14 +205,17 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, dig_ref, o_ref, l
         valid = ids >= 0
         prow = h * pool_pages + jnp.maximum(ids, 0)                 # pool row of the page
         rows = (prow << log_page) + (t & (page - 1))                 # [BT]
-        col = prow[:, None] * (2 * head_dim) + chan                  # [BT, D/2]: min, low half
+        col = prow[:, None] * head_dim + chan                        # [BT, D/2], low half
         keep = valid[:, None]
 
         ku = k_ref[rows, :]                                          # [BT, D/2] u8
-        lo_l = dig_ref[col].astype(jnp.float32)
-        lo_h = dig_ref[col + half].astype(jnp.float32)
-        step_l = (dig_ref[col + head_dim].astype(jnp.float32) - lo_l) / INT4_LEVELS
-        step_h = (dig_ref[col + head_dim + half].astype(jnp.float32) - lo_h) / INT4_LEVELS
+        # Key grid lo + code * step, lo = c - r, step = 2r / 15 (reference.quant).
+        c_l = c_ref[col].astype(jnp.float32)
+        c_h = c_ref[col + half].astype(jnp.float32)
+        r_l = r_ref[col].astype(jnp.float32)
+        r_h = r_ref[col + half].astype(jnp.float32)
+        lo_l, step_l = c_l - r_l, r_l * (2.0 / INT4_LEVELS)
+        lo_h, step_h = c_h - r_h, r_h * (2.0 / INT4_LEVELS)
         k_l = jnp.where(keep, lo_l + (ku & 0xF).astype(jnp.float32) * step_l, 0.0)
         k_h = jnp.where(keep, lo_h + (ku >> 4).astype(jnp.float32) * step_h, 0.0)
         logits = _dot_nt(q_lo, k_l, prec) + _dot_nt(q_hi, k_h, prec)  # [Gp, BT]
@@ -295,8 +298,8 @@ def _dense_part(qp, k, v, valid, k_scale, v_scale, *, sm_scale, cfg, interpret, 
                  interpret, name, [None] * len(operands))
 
 
-def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest, *, sm_scale, cfg,
-               interpret):
+def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_center, digest_radius, *,
+               sm_scale, cfg, interpret):
     b, hkv, gp, d = qp.shape
     _, p, page, half = int4_k.shape
     ngroups = v_scale.shape[-1]
@@ -317,16 +320,17 @@ def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest, *, sm_scal
                                block=blk, num_blocks=nblk, sm_scale=sm_scale,
                                prec=_PRECISIONS[cfg.precision])
     operands = [ids, int4_k.reshape(hkv * p * page, half), int4_v.reshape(hkv * p * page, half),
-                v_scale.reshape(-1), v_zero.reshape(-1), digest.reshape(-1)]
+                v_scale.reshape(-1), v_zero.reshape(-1), digest_center.reshape(-1),
+                digest_radius.reshape(-1)]
     ids_spec = pl.BlockSpec((None, None, kp), lambda i, j, k: (i, j, 0))
-    return _call(kernel, (b, hkv, splits), qp, operands, [False] + [True] * 5, gp, d, cfg,
-                 interpret, "hisparse_decode_int4", [ids_spec] + [None] * 5)
+    return _call(kernel, (b, hkv, splits), qp, operands, [False] + [True] * 6, gp, d, cfg,
+                 interpret, "hisparse_decode_int4", [ids_spec] + [None] * 6)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
 def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
-                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest, cold_ids,
-                   *, sm_scale, interpret, config):
+                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
+                   digest_radius, cold_ids, *, sm_scale, interpret, config):
     b, hkv, g, d = q.shape
     if not (_is_pow2(d) and d >= 32):
         raise ValueError(f"head_dim must be a power of two >= 32, got {d}")
@@ -352,13 +356,13 @@ def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8
                                       name="hisparse_decode_fp8", **kw)))
     if cold_ids.shape[2]:
         parts.append(trim(_cold_part(qp, cold_ids, int4_k, int4_v, int4_v_scale, int4_v_zero,
-                                     digest, **kw)))
+                                     digest_center, digest_radius, **kw)))
     return merge_parts(parts)
 
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
-                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest, cold_ids,
-                  *, sm_scale, interpret=None,
+                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
+                  digest_radius, cold_ids, *, sm_scale, interpret=None,
                   config: DecodeConfig | None = None):
     """Pallas version of `reference.sparse_decode` (same arguments, same results).
 
@@ -370,7 +374,7 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     fp8_valid:    [B, Tw] bool
     int4_k/v:     [Hkv, P, page, D/2] u8   cold pool, head-major (half-split packed)
     int4_v_scale, int4_v_zero: [Hkv, P, page, D/group] bf16
-    digest:       [Hkv, P, 2*D] bf16       key [min | max] of each page (int4 key grid)
+    digest_center, digest_radius: [Hkv, P, D] bf16  key range of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
     sm_scale:     Python float (static)
     interpret:    None = interpret mode unless on GPU
@@ -379,6 +383,6 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     """
     return _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale,
                           fp8_v_scale, fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero,
-                          digest, cold_ids, sm_scale=float(sm_scale),
+                          digest_center, digest_radius, cold_ids, sm_scale=float(sm_scale),
                           interpret=resolve_interpret(interpret),
                           config=config or DecodeConfig())
