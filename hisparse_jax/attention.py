@@ -70,6 +70,26 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     return logical, jnp.where(ok, pool, -1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: jax.Array, *,
+                 implementation=None) -> jax.Array:
+    """Decode attention over sink + hot + warm + the given cold pages.
+
+    q [B, Hq, D]; logical [B, Hkv, K] logical page ids (-1 = none; pages that are
+    not cold are ignored) -> out [B, Hq, D] float32.
+    """
+    _, sparse_decode = _ops(implementation)
+    pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
+    pool = jnp.where(logical >= 0, pool, -1)
+    bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
+    out, _ = sparse_decode(
+        group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
+        state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
+        state.int4_k, state.int4_v, state.int4_v_scale, state.int4_v_zero,
+        state.digest_center, state.digest_radius, pool, sm_scale=1.0 / math.sqrt(cfg.head_dim))
+    return out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation", "return_selection"))
 def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
                      implementation=None, return_selection=False):
@@ -78,15 +98,8 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
     q: [B, Hq, D] -> out [B, Hq, D] float32 (zeros for empty sequences).
     With return_selection, also the selected logical pages [B, Hkv, K].
     """
-    _, sparse_decode = _ops(implementation)
-    logical, pool = select_pages(cfg, state, q, implementation=implementation)
-    bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
-    out, _ = sparse_decode(
-        group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
-        state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
-        state.int4_k, state.int4_v, state.int4_v_scale, state.int4_v_zero,
-        state.digest_center, state.digest_radius, pool, sm_scale=1.0 / math.sqrt(cfg.head_dim))
-    out = out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
+    logical, _ = select_pages(cfg, state, q, implementation=implementation)
+    out = attend_pages(cfg, state, q, logical, implementation=implementation)
     return (out, logical) if return_selection else out
 
 

@@ -7,7 +7,9 @@ For N decode queries at position S over S cached tokens, per (query, query head)
   (that all-pages output vs dense);
 - top10_recall: share of the 10 heaviest tokens attended;
 - oracle_recall: recall of an oracle that, under the same budget and per KV head,
-  keeps the cold pages with the most true mass (sink/hot/warm as HiSparse).
+  keeps the cold pages with the most true mass (sink/hot/warm as HiSparse);
+  oracle_selection_error is that oracle's selection error: what no selection
+  within the budget can avoid on this attention.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import layout
-from hisparse_jax.attention import decode_attention, dense_decode_attention
+from hisparse_jax.attention import attend_pages, decode_attention, dense_decode_attention
 from hisparse_jax.cache import HiSparseCache
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
 from hisparse_jax.state import slot_positions
@@ -57,6 +59,7 @@ class Evaluation:
     oracle_recall: np.ndarray   # [N, Hq]
     rel_error: np.ndarray       # [N, Hq]
     selection_error: np.ndarray  # [N, Hq]
+    oracle_selection_error: np.ndarray  # [N, Hq]
     quant_error: np.ndarray     # [N, Hq]
     top10_recall: np.ndarray    # [N, Hq]
     attended_fraction: float
@@ -80,6 +83,7 @@ class Evaluation:
             "rel_error_mean": float(m(self.rel_error).mean()),
             "rel_error_p95": float(np.percentile(m(self.rel_error), 95)),
             "selection_error_mean": float(m(self.selection_error).mean()),
+            "oracle_selection_error_mean": float(m(self.oracle_selection_error).mean()),
             "quant_error_mean": float(m(self.quant_error).mean()),
             "quant_error_p95": float(np.percentile(m(self.quant_error), 95)),
             "top10_recall": float(m(self.top10_recall).mean()),
@@ -151,13 +155,18 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     oracle_pages &= page_mass > 0
     oracle_att = np.repeat(oracle_pages, pg, axis=2)[:, :, :s] | always[None, None, :]
     oracle_recall = np.sum(np.where(np.repeat(oracle_att, g, axis=1), w, 0.0), axis=-1)
+    oracle_ids = np.where(np.take_along_axis(oracle_pages, best, axis=-1), best, -1)
+    out_oracle = np.stack([np.asarray(attend_pages(
+        cfg, cache.state, jnp.asarray(q[i:i + 1]), jnp.asarray(oracle_ids[i:i + 1], jnp.int32),
+        implementation=implementation)[0]) for i in range(n)])
 
     def rel(a, b):
         return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
 
     return Evaluation(
         recall=recall, oracle_recall=oracle_recall, rel_error=rel(out, dense),
-        selection_error=rel(out, out_all), quant_error=rel(out_all, dense),
+        selection_error=rel(out, out_all), oracle_selection_error=rel(out_oracle, out_all),
+        quant_error=rel(out_all, dense),
         top10_recall=top10_recall, attended_fraction=float(attended.mean()),
         selected_pages=selected, weights=w, config=cfg)
 

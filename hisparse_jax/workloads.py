@@ -141,17 +141,18 @@ def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, he
     q = np.zeros((num_queries, H * G, D), np.float32)
     targets = np.full((num_queries, H * G, 2), -1, np.int64)
     pos = np.arange(S)
-    key_noise = 0.9
+    key_noise, topic_amp, local_amp = 0.9, 0.6, 1.2
+    key_std = float(np.sqrt(key_noise ** 2 + topic_amp ** 2 + local_amp ** 2))
     needle_lo = min(S - 1, 32)
     for h in range(H):
         mean = rng.normal(scale=0.3, size=D).astype(np.float32)
         outl = rng.choice(outlier_pool, size=4, replace=False)
         mean[outl] = rng.choice([-1, 1], size=4) * rng.uniform(6, 12, size=4)
-        topic_dirs = rng.normal(size=(n_topics, D)).astype(np.float32) * content * 0.6
+        topic_dirs = rng.normal(size=(n_topics, D)).astype(np.float32) * content * topic_amp
         # Local context: a smooth random process over positions (nearby tokens have
         # similar keys), correlation length 16..64 tokens.
         width = float(rng.uniform(16, 64))
-        local = _smooth_noise(rng, S, D, width) * 0.6
+        local = _smooth_noise(rng, S, D, width) * local_amp
         sink_dir = _unit(rng, D, content) * 40.0  # sinks have huge, distinct keys
         k_raw[:, h] = (mean + topic_dirs[topic] + local
                        + rng.normal(size=(S, D)).astype(np.float32) * key_noise)
@@ -184,11 +185,11 @@ def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, he
             hq = h * G + g
             kind = kinds[hq]
             for n in range(num_queries):
-                qv = _unit(rng, D) * q_noise_scale * (np.sqrt(D) / key_noise)
+                qv = _unit(rng, D) * q_noise_scale * (np.sqrt(D) / key_std)  # logit std ~1
                 if kind != "sink":  # every head leaks some mass to the sink
                     qv += _aim(sink_key, log_s + rng.uniform(-5.0, -1.0), D)
                 if kind == "sink":  # sink + recent window (the StreamingLLM pattern)
-                    qv += _aim(local_key, log_s - np.log(width) + rng.uniform(1.0, 3.0), D)
+                    qv += _aim(local_key, log_s - np.log(width) + rng.uniform(2.0, 4.0), D)
                 elif kind != "local":
                     qv += _aim(local_key, rng.uniform(0.0, 2.0), D)
                 if kind == "sink":
@@ -199,7 +200,7 @@ def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, he
                     start, end, needle = spans[rng.integers(len(spans))]
                     nkey = rope(needle[None, None], np.full(1, (start + end) // 2))[0, 0]
                     qv = _solve(k_post, qv, nkey, (pos >= start) & (pos < end),
-                                rng.uniform(0.7, 0.98))
+                                rng.uniform(0.8, 0.99))
                     targets[n, hq] = (start, end)
                 else:  # diffuse: weak preferences for a few topic segments
                     for sg in rng.choice(len(starts), size=min(3, len(starts)), replace=False):

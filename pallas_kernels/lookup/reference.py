@@ -10,12 +10,15 @@ import jax.numpy as jnp
 
 def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array,
                 page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Two digest scores per page, in logit units (q.k / sqrt(D)), the GQA group
-    combined by log-sum-exp (the group's attention mass adds up):
+    """Two digest scores per page, from logits q.k / sqrt(D):
 
-    center: q.c, the page's typical logit (ranks spread mass);
     bound:  q.c + |q|.r = sum_d max(q_d*lo_d, q_d*hi_d), Quest's upper bound on
-            q.k over the page (finds pages with a few spiking keys).
+            q.k over the page (finds pages with a few spiking keys); the GQA
+            group combined by log-sum-exp (~ the largest head's bound);
+    center: q.c, the page's typical logit; each head's centres become a softmax
+            over pages (its estimated mass shares) and the group's shares are
+            summed (log) (ranks spread mass; a head with a large query norm
+            cannot drown the others).
 
     Two dots of bf16 digests with the query rounded to bf16, accumulated in f32
     (~3 significant digits in q: plenty for ranking pages).
@@ -38,8 +41,13 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     bound = center + dot(jnp.abs(q), digest_radius)
     ok = page_table[None, :, None, :] >= 0
 
-    def combine(x):  # [Hkv, B, G, N] -> [B, Hkv, N]
-        return jnp.where(ok, jax.nn.logsumexp(x, axis=2, keepdims=True), -jnp.inf)[:, :, 0] \
-            .transpose(1, 0, 2)
+    def spikes(x):  # [Hkv, B, G, N] -> [B, Hkv, N]: the group's largest possible logit
+        return jnp.where(ok, jax.nn.logsumexp(x, axis=2, keepdims=True),
+                         -jnp.inf)[:, :, 0].transpose(1, 0, 2)
 
-    return combine(bound), combine(center)
+    def mass(x):  # the group's estimated mass: sum of each head's softmax over pages,
+        # so a head with a large query norm cannot drown the others
+        x = jnp.where(ok, x, -jnp.inf)
+        return spikes(x - jax.nn.logsumexp(x, axis=3, keepdims=True))
+
+    return spikes(bound), mass(center)
