@@ -3,16 +3,21 @@ candidate page, same signature and semantics as `reference.page_scores`.
 
 Grid (batch, kv head, page block). Each program loads `block_pages` entries of
 the page table, gathers the matching digest rows (centre c, radius r) straight
-from the head-major pools (`ref[rows, :]`, no copy of a pool) and scores them
-with bf16 tensor-core dots accumulated in f32, the reference's arithmetic:
+from the head-major pools (`ref[rows, :]`, no copy of a pool) and writes, per
+query head of the group, the reference's two logits
 
     center = q.c            bound = q.c + |q|.r   (Quest's upper bound on q.k)
 
-with q / sqrt(D) rounded to bf16. The bf16 query rows are built in the wrapper
-(tiny) and padded to 16 rows (tl.dot needs M >= 16); padded rows are masked to
--inf before the log-sum-exp over the GQA group. Non-candidates (page_table < 0)
-get -inf; their clamped digest reads are zeroed with `where`, so NaN in unused
-pool pages never reaches the output.
+with q / sqrt(D) rounded to bf16 (as the reference) and products summed in f32
+(broadcast-multiply-reduce, one query row at a time: exact bf16 products, no
+tl.dot M >= 16 padding; the digest gather, not the arithmetic, is the cost).
+Non-candidates (page_table < 0) are written as -inf; their clamped digest reads
+are zeroed with `where`, so NaN in unused pool pages never reaches the output.
+
+The group is combined in XLA on the [B, Hkv, G, N] logits, with the reference's
+formulas: bound by log-sum-exp over the group; center needs every page of the
+row (each head's centres become a softmax over pages before the heads' shares
+are summed), which crosses page blocks.
 """
 
 from __future__ import annotations
@@ -75,34 +80,35 @@ class LookupConfig:
 
 def _lookup_kernel(qc_ref, qa_ref, pt_ref, c_ref, r_ref, bound_ref, center_ref, *,
                    group, num_pages_pool):
-    # qc_ref:   [Mp, D] bf16    q / sqrt(D) of this (b, h); rows >= G are zero
-    # qa_ref:   [Mp, D] bf16    |q| / sqrt(D)
+    # qc_ref:   [G, D] f32      bf16(q / sqrt(D)) of this (b, h)
+    # qa_ref:   [G, D] f32      bf16(|q| / sqrt(D))
     # pt_ref:   [BN] int32      page-table entries of this block, -1 = none
     # c_ref, r_ref: [Hkv * P, D] bf16  whole pools (memory_space=ANY), row = h*P + page
-    # bound_ref, center_ref: [BN] f32
+    # bound_ref, center_ref: [G, BN] f32  per query head, -inf for non-candidates
     h = pl.program_id(1)
     ids = pt_ref[...]                                       # [BN]
     ok = ids >= 0
     rows = h * num_pages_pool + jnp.maximum(ids, 0)         # [BN]
-    c = jnp.where(ok[:, None], c_ref[rows, :], 0.0).astype(jnp.bfloat16)  # [BN, D]
-    r = jnp.where(ok[:, None], r_ref[rows, :], 0.0).astype(jnp.bfloat16)
+    c = jnp.where(ok[:, None], c_ref[rows, :].astype(jnp.float32), 0.0)  # [BN, D]
+    r = jnp.where(ok[:, None], r_ref[rows, :].astype(jnp.float32), 0.0)
+    for g in range(group):                                  # static: G is small
+        cen = jnp.sum(qc_ref[g, :][None, :] * c, axis=1)    # [BN]
+        bnd = cen + jnp.sum(qa_ref[g, :][None, :] * r, axis=1)
+        center_ref[g, :] = jnp.where(ok, cen, -jnp.inf)
+        bound_ref[g, :] = jnp.where(ok, bnd, -jnp.inf)
 
-    def dot(q_ref, x):  # [Mp, D] x [BN, D] -> [Mp, BN] f32
-        return lax.dot_general(q_ref[...], x, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
 
-    def lse(s):  # log-sum-exp over the G real rows -> [BN]
-        row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        s = jnp.where(row < group, s, -jnp.inf)
-        m = jnp.max(s, axis=0)
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-        out = jnp.log(jnp.sum(jnp.exp(s - m_safe[None, :]), axis=0)) + m_safe
-        return jnp.where(ok, out, -jnp.inf)
+def group_spikes(x: jax.Array, ok: jax.Array) -> jax.Array:
+    """[B, Hkv, G, N] per-head logits -> [B, Hkv, N]: log-sum-exp over the group
+    (~ the group's largest logit), -inf for non-candidates (reference bound)."""
+    return jnp.where(ok[:, None, :], jax.nn.logsumexp(x, axis=2), -jnp.inf)
 
-    center = dot(qc_ref, c)
-    bound = center + dot(qa_ref, r)
-    bound_ref[...] = lse(bound)
-    center_ref[...] = lse(center)
+
+def group_mass(x: jax.Array, ok: jax.Array) -> jax.Array:
+    """[B, Hkv, G, N] per-head logits -> [B, Hkv, N] (reference center): each head's
+    logits become a softmax over the pages (its mass shares), summed over the group."""
+    x = jnp.where(ok[:, None, None, :], x, -jnp.inf)
+    return group_spikes(x - jax.nn.logsumexp(x, axis=3, keepdims=True), ok)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -134,16 +140,14 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     pt = page_table.astype(jnp.int32)
     if n_pad != n:
         pt = jnp.pad(pt, ((0, 0), (0, n_pad - n)), constant_values=-1)
-    # The reference's bf16 query rows, padded to Mp >= 16 rows for tl.dot.
-    mp = max(16, _pow2_ceil(g))
+    # The reference's query rows: q / sqrt(D) rounded to bf16 (held in f32).
     qs = q.astype(jnp.float32) * (1.0 / math.sqrt(d))
-    pad = ((0, 0), (0, 0), (0, mp - g), (0, 0))
-    qc = jnp.pad(qs.astype(jnp.bfloat16), pad)
-    qa = jnp.pad(jnp.abs(qs).astype(jnp.bfloat16), pad)
+    qc = qs.astype(jnp.bfloat16).astype(jnp.float32)
+    qa = jnp.abs(qs).astype(jnp.bfloat16).astype(jnp.float32)
     kernel = functools.partial(_lookup_kernel, group=g, num_pages_pool=p)
-    q_spec = pl.BlockSpec((None, None, mp, d), lambda i, j, k: (i, j, 0, 0))
-    out_spec = pl.BlockSpec((None, None, bn), lambda i, j, k: (i, j, k))
-    out_shape = jax.ShapeDtypeStruct((b, hkv, n_pad), jnp.float32)
+    q_spec = pl.BlockSpec((None, None, g, d), lambda i, j, k: (i, j, 0, 0))
+    out_spec = pl.BlockSpec((None, None, g, bn), lambda i, j, k: (i, j, 0, k))
+    out_shape = jax.ShapeDtypeStruct((b, hkv, g, n_pad), jnp.float32)
     bound, center = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_pad // bn),
@@ -158,4 +162,5 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
                                             num_stages=cfg.num_stages),
         name="hisparse_page_scores",
     )(qc, qa, pt, digest_center.reshape(hkv * p, d), digest_radius.reshape(hkv * p, d))
-    return bound[:, :, :n], center[:, :, :n]
+    ok = page_table >= 0
+    return group_spikes(bound[..., :n], ok), group_mass(center[..., :n], ok)
