@@ -281,3 +281,40 @@ def test_attention_uses_these_kernels():
     scores, decode = attention._ops("pallas")
     assert scores is lookup_kernel.page_scores
     assert decode is decode_kernel.sparse_decode
+
+
+def _cold_only_expected(args, sm_scale):
+    """Cold part by dequantizing whole pages (quant.reference decoders) + attend_part:
+    an independent check that also covers value groups spanning both halves (group == D)."""
+    q, k4, v4, vs, vz, dc, dr, ids = (args[0], args[9], args[10], args[11], args[12], args[13],
+                                      args[14], args[15])
+    b, h, _, d = q.shape
+    heads = jnp.arange(h)[None, :, None]
+    sel = jnp.maximum(ids, 0)
+    k = quant_ref.decode_cold_keys(k4[heads, sel], dc[heads, sel], dr[heads, sel])
+    v = quant_ref.decode_cold_values(v4[heads, sel], vs[heads, sel], vz[heads, sel])
+    kk, page = ids.shape[2], k.shape[3]
+    valid = jnp.broadcast_to((ids >= 0)[..., None], (b, h, kk, page)).reshape(b, h, kk * page)
+    return decode_ref.attend_part(q, k.reshape(b, h, kk * page, d),
+                                  v.reshape(b, h, kk * page, d), valid, sm_scale)
+
+
+@pytest.mark.parametrize("page,head_dim,value_group", [(16, 64, 64), (32, 128, 128), (16, 64, 16)])
+def test_sparse_decode_cold_only_any_value_group(page, head_dim, value_group):
+    case = DecodeCase(page, head_dim, 4, 3, 0, 5, value_group=value_group, no_valid=True)
+    args = make_decode(case)
+    scale = 1.0 / np.sqrt(head_dim)
+    out, lse = decode_kernel.sparse_decode(*args, sm_scale=scale, interpret=True)
+    ref_out, ref_lse = _cold_only_expected(args, scale)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-4, atol=2e-5)
+
+
+def test_sparse_decode_cross_lowers_group_equals_head_dim():
+    case = DecodeCase(64, 128, 4, 16, 16, 3, value_group=128)
+    args = make_decode(case)
+    txt = cross_lower(lambda *a: decode_kernel.sparse_decode(
+        *a, sm_scale=0.1, interpret=False,
+        config=decode_kernel.DecodeConfig(block_tokens=32, num_warps=8, num_stages=3)), *args)
+    assert_triton(txt, 3)

@@ -185,51 +185,66 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_r
     # vs_ref, vz_ref: [Hkv * P * page * D/group] bf16 (ANY), value scale / zero per group
     # c_ref, r_ref: [Hkv * P * D] bf16 (ANY), key range centre / radius per page, channel
     # o_ref: [Gp, D] f32;  lse_ref: [Gp] f32  (this split)
+    # A block is `pb` whole pages (block >= page): per-page quantities (ids, key
+    # range) are loaded once per page and broadcast over its tokens by reshapes;
+    # value scales/zeros once per (token, group) and broadcast over the group.
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     half = head_dim // 2
     ngroups = head_dim // group
+    gh = half // group if group <= half else 1               # groups per half
+    pb = block // page
     log_page = page.bit_length() - 1
-    log_group = group.bit_length() - 1
     q_lo = q_ref[:, pl.ds(0, half)]                                  # [Gp, D/2]
     q_hi = q_ref[:, pl.ds(half, half)]
     gp = q_lo.shape[0]
-    t0 = s * (num_blocks * block)
+    slot0 = s * (num_blocks * pb)                                    # first page slot
     chan = lax.broadcasted_iota(jnp.int32, (1, half), 1)             # [1, D/2]
-    grp_lo = chan >> log_group
-    grp_hi = (chan + half) >> log_group
+    tok = lax.broadcasted_iota(jnp.int32, (1, page), 1)              # [1, page]
+    gidx = lax.broadcasted_iota(jnp.int32, (1, gh), 1)               # [1, gh]
+
+    def per_token(x):  # [PB, ...] -> [BT, ...]: repeat each page's row over its tokens
+        x = jnp.broadcast_to(x[:, None], (pb, page) + x.shape[1:])
+        return x.reshape((block,) + x.shape[2:])
+
+    def dequant_half(codes, lo, step):  # codes [BT, D/2] u8-derived; lo/step [PB, D/2]
+        c3 = codes.astype(jnp.float32).reshape(pb, page, half)
+        return (lo[:, None, :] + c3 * step[:, None, :]).reshape(block, half)
+
+    def values_half(codes, g_first, rows):  # codes [BT, D/2]; groups g_first.. of the half
+        c = codes.astype(jnp.float32)
+        if group <= half:
+            idx = rows[:, None] * ngroups + (g_first + gidx)          # [BT, gh]
+            sc = vs_ref[idx].astype(jnp.float32)
+            zr = vz_ref[idx].astype(jnp.float32)
+            c3 = c.reshape(block, gh, group)
+            return (zr[:, :, None] + c3 * sc[:, :, None]).reshape(block, half)
+        sc = vs_ref[rows].astype(jnp.float32)                        # one group: [BT]
+        zr = vz_ref[rows].astype(jnp.float32)
+        return zr[:, None] + c * sc[:, None]
 
     def body(i, carry):
         m, l, acc_lo, acc_hi = carry
-        t = t0 + i * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
-        ids = ids_ref[t >> log_page]                                 # [BT]
-        valid = ids >= 0
-        prow = h * pool_pages + jnp.maximum(ids, 0)                 # pool row of the page
-        rows = (prow << log_page) + (t & (page - 1))                 # [BT]
-        col = prow[:, None] * head_dim + chan                        # [BT, D/2], low half
+        ids = ids_ref[pl.ds(slot0 + i * pb, pb)]                     # [PB]
+        prow = h * pool_pages + jnp.maximum(ids, 0)                  # pool row of each page
+        rows = ((prow[:, None] << log_page) + tok).reshape(block)    # [BT]
+        valid = per_token(ids >= 0)                                  # [BT]
         keep = valid[:, None]
 
-        ku = k_ref[rows, :]                                          # [BT, D/2] u8
         # Key grid lo + code * step, lo = c - r, step = 2r / 15 (reference.quant).
+        col = prow[:, None] * head_dim + chan                        # [PB, D/2], low half
         c_l = c_ref[col].astype(jnp.float32)
         c_h = c_ref[col + half].astype(jnp.float32)
         r_l = r_ref[col].astype(jnp.float32)
         r_h = r_ref[col + half].astype(jnp.float32)
-        lo_l, step_l = c_l - r_l, r_l * (2.0 / INT4_LEVELS)
-        lo_h, step_h = c_h - r_h, r_h * (2.0 / INT4_LEVELS)
-        k_l = jnp.where(keep, lo_l + (ku & 0xF).astype(jnp.float32) * step_l, 0.0)
-        k_h = jnp.where(keep, lo_h + (ku >> 4).astype(jnp.float32) * step_h, 0.0)
+        ku = k_ref[rows, :]                                          # [BT, D/2] u8
+        k_l = jnp.where(keep, dequant_half(ku & 0xF, c_l - r_l, r_l * (2.0 / INT4_LEVELS)), 0.0)
+        k_h = jnp.where(keep, dequant_half(ku >> 4, c_h - r_h, r_h * (2.0 / INT4_LEVELS)), 0.0)
         logits = _dot_nt(q_lo, k_l, prec) + _dot_nt(q_hi, k_h, prec)  # [Gp, BT]
         m_new, alpha, p, l_new = _online_step((m, l), logits * sm_scale, valid)
 
         vu = v_ref[rows, :]                                          # [BT, D/2] u8
-        g_l = rows[:, None] * ngroups + grp_lo
-        g_h = rows[:, None] * ngroups + grp_hi
-        v_l = vz_ref[g_l].astype(jnp.float32) + (vu & 0xF).astype(jnp.float32) * \
-            vs_ref[g_l].astype(jnp.float32)
-        v_h = vz_ref[g_h].astype(jnp.float32) + (vu >> 4).astype(jnp.float32) * \
-            vs_ref[g_h].astype(jnp.float32)
-        v_l = jnp.where(keep, v_l, 0.0)
-        v_h = jnp.where(keep, v_h, 0.0)
+        v_l = jnp.where(keep, values_half(vu & 0xF, 0, rows), 0.0)
+        v_h = jnp.where(keep, values_half(vu >> 4, gh, rows), 0.0)
         acc_lo = acc_lo * alpha[:, None] + _dot_nn(p, v_l, prec)
         acc_hi = acc_hi * alpha[:, None] + _dot_nn(p, v_h, prec)
         return m_new, l_new, acc_lo, acc_hi
@@ -307,7 +322,7 @@ def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_center, dig
     if not (_is_pow2(page) and _is_pow2(group) and half * 2 == d):
         raise ValueError(f"page ({page}) and value group ({group}) must be powers of two")
     kk = cold_ids.shape[2]
-    blk = cfg.block_tokens
+    blk = max(cfg.block_tokens, page)  # whole pages per block
     total_blocks = -(-(kk * page) // blk)
     splits = cfg.splits(b, hkv, total_blocks)
     nblk = -(-total_blocks // splits)
