@@ -35,16 +35,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.lookup import kernel as lookup_kernel  # noqa: E402
-from pallas_kernels.lookup import reference as lookup_ref  # noqa: E402
-from pallas_kernels.quant import kernel as quant_kernel  # noqa: E402
-from pallas_kernels.quant import reference as quant_ref  # noqa: E402
-from pallas_kernels.sparse_decode import kernel as decode_kernel  # noqa: E402
-from pallas_kernels.sparse_decode import reference as decode_ref  # noqa: E402
+from pallas_kernels.lookup import kernel as lookup_kernel
+from pallas_kernels.lookup import reference as lookup_ref
+from pallas_kernels.quant import kernel as quant_kernel
+from pallas_kernels.quant import reference as quant_ref
+from pallas_kernels.sparse_decode import kernel as decode_kernel
+from pallas_kernels.sparse_decode import reference as decode_ref
 
 PEAK_BYTES_PER_S = 4.3e12  # measured copy ceiling of the H200
 INT32_LIMIT = 2**31 - 1    # Pallas Triton pool offsets are int32
@@ -55,12 +55,12 @@ INT32_LIMIT = 2**31 - 1    # Pallas Triton pool offsets are int32
 
 def shape_set(dry_run: bool):
     if dry_run:
-        return dict(contexts=[512], batches=[1, 2], kv_heads=2, group=4, head_dim=64,
-                    page=16, sink=16, hot=16, warm=32, budget=64, value_group=32)
+        return {"contexts": [512], "batches": [1, 2], "kv_heads": 2, "group": 4, "head_dim": 64,
+                    "page": 16, "sink": 16, "hot": 16, "warm": 32, "budget": 64, "value_group": 32}
     # Llama-3-8B heads; HiSparse default tiers (sink 16, hot 128, warm 384, budget 2048).
-    return dict(contexts=[32768, 131072, 1048576], batches=[1, 8], kv_heads=8, group=4,
-                head_dim=128, page=16, sink=16, hot=128, warm=384, budget=2048,
-                value_group=32)
+    return {"contexts": [32768, 131072, 1048576], "batches": [1, 8], "kv_heads": 8, "group": 4,
+                "head_dim": 128, "page": 16, "sink": 16, "hot": 128, "warm": 384, "budget": 2048,
+                "value_group": 32}
 
 
 def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot, warm, budget,
@@ -76,24 +76,24 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
     pool = min(b * n, INT32_LIMIT // per_page)
     ng = d // value_group
     q = jax.random.normal(next(ks), (b, h, g, d), jnp.float32)
-    arrays = dict(
-        q=q,
-        bf16_k=jax.random.normal(next(ks), (b, h, tb, d), jnp.bfloat16),
-        bf16_v=jax.random.normal(next(ks), (b, h, tb, d), jnp.bfloat16),
-        bf16_valid=jnp.ones((b, tb), bool),
-        fp8_k=jax.random.normal(next(ks), (b, h, tw, d), jnp.float32).astype(jnp.float8_e4m3fn),
-        fp8_v=jax.random.normal(next(ks), (b, h, tw, d), jnp.float32).astype(jnp.float8_e4m3fn),
-        fp8_k_scale=jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
-        fp8_v_scale=jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
-        fp8_valid=jnp.ones((b, tw), bool),
+    arrays = {
+        "q": q,
+        "bf16_k": jax.random.normal(next(ks), (b, h, tb, d), jnp.bfloat16),
+        "bf16_v": jax.random.normal(next(ks), (b, h, tb, d), jnp.bfloat16),
+        "bf16_valid": jnp.ones((b, tb), bool),
+        "fp8_k": jax.random.normal(next(ks), (b, h, tw, d), jnp.float32).astype(jnp.float8_e4m3fn),
+        "fp8_v": jax.random.normal(next(ks), (b, h, tw, d), jnp.float32).astype(jnp.float8_e4m3fn),
+        "fp8_k_scale": jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
+        "fp8_v_scale": jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
+        "fp8_valid": jnp.ones((b, tw), bool),
         # Cold pool, head-major [Hkv, P, ...] (hisparse_jax.state layout).
-        int4_k=jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
-        int4_v=jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
-        int4_v_scale=jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
+        "int4_k": jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
+        "int4_v": jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
+        "int4_v_scale": jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
                                         0.01, 0.2).astype(jnp.bfloat16),
-        int4_v_zero=jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
+        "int4_v_zero": jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
                                        -1.5, -0.5).astype(jnp.bfloat16),
-    )
+    }
     # Digest: per-channel key range centre and radius (>= 0) of each page, [Hkv, P, D].
     arrays["digest_center"] = jax.random.normal(next(ks), (h, pool, d), jnp.bfloat16)
     arrays["digest_radius"] = jax.random.uniform(next(ks), (h, pool, d), jnp.float32,
@@ -104,9 +104,9 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
     recent = -(-(tb + tw) // page)
     table = jnp.where(jnp.arange(n)[None, :] >= n - recent, -1, table) if n > recent else table
     arrays["page_table"] = table.astype(jnp.int32)
-    dims = dict(batch=b, context=context, kv_heads=h, q_heads=h * g, head_dim=d, page=page,
-                bf16_tokens=tb, fp8_tokens=tw, cold_pages=k_sel, pool_pages=pool,
-                pool_aliased=pool < b * n, value_group=value_group)
+    dims = {"batch": b, "context": context, "kv_heads": h, "q_heads": h * g, "head_dim": d, "page": page,
+                "bf16_tokens": tb, "fp8_tokens": tw, "cold_pages": k_sel, "pool_pages": pool,
+                "pool_aliased": pool < b * n, "value_group": value_group}
     if with_dense:
         # Dense baseline K/V: tile a random block so no context-sized f32 temporary exists.
         blk = min(context, 4096)
@@ -141,15 +141,23 @@ def bytes_model(dims, impl):
 # ----------------------------------------------------------------------------- steps
 
 
-def select(bound, center, table, k):
-    """Quest bound picks k/4 pages, page centre the rest (as hisparse_jax.select_pages)."""
-    k_b = round(k * 0.25)
-    _, pages_b = jax.lax.top_k(bound, k_b)
-    bi = jnp.arange(bound.shape[0])[:, None, None]
-    hi = jnp.arange(bound.shape[1])[None, :, None]
+def select(bound, center, table, k, bound_share=0.25):
+    """Cold pool pages to attend [B, Hkv, k] (like hisparse_jax.attention.select_pages):
+    a `bound_share` of the budget by Quest's bound (per query head when the bound is
+    [B, Hkv, G, N]), the rest by centre score among the pages not yet taken.
+    Duplicate picks of several heads are kept (same cost, same result on both sides)."""
+    if bound.ndim == 4:
+        g = bound.shape[2]
+        per_head = max(1, min(round(k * bound_share) // g, bound.shape[-1]))
+        top_b, pages_b = jax.lax.top_k(bound, per_head)
+        top_b = top_b.reshape(*top_b.shape[:2], -1)
+        pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
+    else:
+        top_b, pages_b = jax.lax.top_k(bound, max(1, round(k * bound_share)))
+    bi = jnp.arange(center.shape[0])[:, None, None]
+    hi = jnp.arange(center.shape[1])[None, :, None]
     center = center.at[bi, hi, pages_b].set(-jnp.inf)
-    top_c, pages_c = jax.lax.top_k(center, k - k_b)
-    top_b = jnp.take_along_axis(bound, pages_b, axis=2)
+    top_c, pages_c = jax.lax.top_k(center, max(k - pages_b.shape[-1], 0))
     top = jnp.concatenate([top_b, top_c], axis=-1)
     logical = jnp.concatenate([pages_b, pages_c], axis=-1)
     pool = jnp.take_along_axis(table[:, None, :], logical, axis=2)
@@ -218,9 +226,9 @@ def time_fn(fn, args, iters, warmup):
         jax.block_until_ready(fn(args))
         ts.append(time.perf_counter() - t0)
     ts = np.asarray(ts)
-    return out, dict(compile_s=compile_s, median_s=float(np.median(ts)),
-                     p10_s=float(np.percentile(ts, 10)), p90_s=float(np.percentile(ts, 90)),
-                     iters=iters)
+    return out, {"compile_s": compile_s, "median_s": float(np.median(ts)),
+                     "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
+                     "iters": iters}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -241,8 +249,8 @@ def checks(interpret, dry_run):
     got = lookup_kernel.page_scores(*args, interpret=interpret)
     ref = jax.jit(lookup_ref.page_scores)(*args)
     err = max(_rel_err(x, y) for x, y in zip(got, ref))
-    rows.append(dict(kind="check", kernel="lookup.page_scores", max_rel_err=err,
-                     ok=bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))))
+    rows.append({"kind": "check", "kernel": "lookup.page_scores", "max_rel_err": err,
+                     "ok": bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))})
     # sparse decode, with NaN in masked slots and unused pool page 0
     bound, center = ref
     cold = select(bound, center, arrays["page_table"], dims["cold_pages"])
@@ -263,9 +271,9 @@ def checks(interpret, dry_run):
             *dargs)
         tol = {"bf16x3": 1e-4, "f32": 1e-4, "bf16": 3e-2}[prec]
         err = max(_rel_err(o, ro), _rel_err(lse, rlse))
-        rows.append(dict(kind="check", kernel=f"sparse_decode[{prec}]", max_rel_err=err,
-                         finite=bool(np.isfinite(np.asarray(o)).all()),
-                         ok=bool(err < tol and np.isfinite(np.asarray(o)).all())))
+        rows.append({"kind": "check", "kernel": f"sparse_decode[{prec}]", "max_rel_err": err,
+                         "finite": bool(np.isfinite(np.asarray(o)).all()),
+                         "ok": bool(err < tol and np.isfinite(np.asarray(o)).all())})
     # encoders, bit exact
     x = jax.random.normal(jax.random.PRNGKey(1), (64, h, page, d), jnp.float32) * 3
     for name, f, fr in (
@@ -279,7 +287,7 @@ def checks(interpret, dry_run):
              lambda v: quant_ref.encode_cold_values(v, 32))):
         got, ref = f(x), jax.jit(fr)(x)
         mism = sum(int(np.sum(_bits(u) != _bits(r))) for u, r in zip(got, ref))
-        rows.append(dict(kind="check", kernel=name, mismatches=mism, ok=mism == 0))
+        rows.append({"kind": "check", "kernel": name, "mismatches": mism, "ok": mism == 0})
     return rows
 
 
@@ -334,22 +342,22 @@ def main(argv=None):
     impls = args.impls or ["dense_bf16", "sparse_xla", "sparse_pallas", "lookup_pallas",
                            "decode_pallas"]
 
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     out_path = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results",
         f"gpu_check-{now:%Y%m%dT%H%M%SZ}{'-dry' if args.dry_run else ''}.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                                text=True, check=False, cwd=os.path.dirname(os.path.abspath(__file__))
                                 ).stdout.strip() or None
     except OSError:
         commit = None
-    common = dict(date=now.isoformat(timespec="seconds"),
-                  command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-                  commit=commit, backend=backend, device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, host=platform.node(), dry_run=args.dry_run,
-                  interpret=interpret)
+    common = {"date": now.isoformat(timespec="seconds"),
+                  "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                  "commit": commit, "backend": backend, "device": str(jax.devices()[0].device_kind),
+                  "jax": jax.__version__, "host": platform.node(), "dry_run": args.dry_run,
+                  "interpret": interpret}
     rows = []
 
     def emit(row):
@@ -381,7 +389,7 @@ def main(argv=None):
                                                      dims["cold_pages"]))
                 try:
                     out, t = time_fn(steps[impl], a, iters, warmup)
-                except Exception as e:  # keep going: one failing case must not hide the rest
+                except Exception as e:  # noqa: BLE001 -- one failing case must not hide the rest
                     emit(dict(kind="time", impl=impl, **dims, error=repr(e)[:2000]))
                     continue
                 outs[impl] = out

@@ -214,7 +214,7 @@ def make_decode(c: DecodeCase, seed=0):
     if c.no_valid:
         bvalid = jnp.zeros_like(bvalid)
         fvalid = jnp.zeros_like(fvalid)
-    nan4 = lambda x, ok: jnp.where(ok[:, None, :, None], x, jnp.nan)  # noqa: E731
+    nan4 = lambda x, ok: jnp.where(ok[:, None, :, None], x, jnp.nan)
     bk = nan4(jax.random.normal(k[3], (b, h, c.bf16_len, d)), bvalid).astype(jnp.bfloat16)
     bv = nan4(jax.random.normal(k[4], (b, h, c.bf16_len, d)), bvalid).astype(jnp.bfloat16)
     fk, fks = quant_ref.encode_fp8(jax.random.normal(k[5], (b, h, c.fp8_len, d)) * 2.0)

@@ -14,10 +14,10 @@ tl.dot M >= 16 padding; the digest gather, not the arithmetic, is the cost).
 Non-candidates (page_table < 0) are written as -inf; their clamped digest reads
 are zeroed with `where`, so NaN in unused pool pages never reaches the output.
 
-The group is combined in XLA on the [B, Hkv, G, N] logits, with the reference's
-formulas: bound by log-sum-exp over the group; center needs every page of the
-row (each head's centres become a softmax over pages before the heads' shares
-are summed), which crosses page blocks.
+The bound is returned per query head, as the kernel writes it. The centre is
+combined over the group in XLA on the [B, Hkv, G, N] logits with the
+reference's formula: each head's centres become a softmax over all pages of the
+row (which crosses page blocks) before the heads' shares are summed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
@@ -68,7 +67,7 @@ class LookupConfig:
             raise ValueError(f"num_stages must be in 1..8, got {self.num_stages}")
 
     @staticmethod
-    def default(num_pages: int, head_dim: int, group: int) -> "LookupConfig":
+    def default(num_pages: int, head_dim: int, group: int) -> LookupConfig:
         # 64 pages x D channels x 2 pools of bf16 is 32 KiB per program at D=128:
         # enough bytes in flight per SM; fewer pages when the table is short so
         # that no program is mostly padding. Wide heads with big groups keep
@@ -121,7 +120,8 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     digest_center: [Hkv, P, D] bf16      per-channel key range centre of each pool page
     digest_radius: [Hkv, P, D] bf16      ... and half-width
     page_table:    [B, N] int32          logical page -> pool page, -1 = not a candidate
-    returns        (bound, center), each [B, Hkv, N] float32, -inf for non-candidates
+    returns        bound [B, Hkv, G, N] (per query head) and center [B, Hkv, N]
+                   (group mass) float32, -inf for non-candidates
     interpret:     None = interpret mode unless on GPU.
     config:        LookupConfig, None = `LookupConfig.default(...)`.
     """
@@ -163,4 +163,4 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
         name="hisparse_page_scores",
     )(qc, qa, pt, digest_center.reshape(hkv * p, d), digest_radius.reshape(hkv * p, d))
     ok = page_table >= 0
-    return group_spikes(bound[..., :n], ok), group_mass(center[..., :n], ok)
+    return bound[..., :n], group_mass(center[..., :n], ok)

@@ -8,8 +8,9 @@ Three pallas_calls, one per part, each on a grid (batch, kv head, split):
   and the per-token V scale the probabilities (no dequantized tile is built);
 - int4 cold part: the selected pool pages, gathered by `cold_ids`; nibbles are
   unpacked in registers into the two half-split halves, keys dequantized as
-  lo + code * step (lo = c - r, step = 2r/15 from the page digest), values as zero + code * scale
-  per channel group, and each half is dotted with the matching half of q.
+  lo + code * step (lo = c - r, step = 2r/15 from the page digest centre c and
+  radius r), values as zero + code * scale per channel group, and each half is
+  dotted with the matching half of q.
 Every split keeps an online softmax and emits (out, lse); splits and parts are
 merged by log-sum-exp in XLA (`reference.merge_parts`).
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +188,7 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_r
     # A block is `pb` whole pages (block >= page): per-page quantities (ids, key
     # range) are loaded once per page and broadcast over its tokens by reshapes;
     # value scales/zeros once per (token, group) and broadcast over the group.
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     half = head_dim // 2
     ngroups = head_dim // group
     gh = half // group if group <= half else 1               # groups per half
@@ -353,7 +353,7 @@ def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8
     qp = q.astype(jnp.float32)
     if gp != g:
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    kw = dict(sm_scale=sm_scale, cfg=config, interpret=interpret)
+    kw = {"sm_scale": sm_scale, "cfg": config, "interpret": interpret}
 
     def trim(part):
         o, lse = part
