@@ -44,8 +44,9 @@ def group_queries(cfg: HiSparseConfig, q: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
-    """The cold pages to attend per (sequence, KV head): a `bound_share` of the
-    budget by Quest's upper bound, the rest by page-centre score.
+    """The cold pages to attend per (sequence, KV head): each query head's top
+    pages by Quest's upper bound (a `bound_share` of the budget split between
+    the group's heads), then the pages with the most estimated group mass.
 
     q [B, Hq, D] -> (logical pages [B, Hkv, K] int32, pool pages [B, Hkv, K] int32,
     -1 where fewer than K cold pages exist). Sink, hot and warm pages have no page
@@ -55,13 +56,25 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     bound, center = page_scores(group_queries(cfg, q), state.digest_center,
                                 state.digest_radius, state.page_table)
     k = min(cfg.budget_pages, cfg.max_pages)
-    k_bound = round(k * cfg.bound_share)
-    top_b, pages_b = jax.lax.top_k(bound, k_bound)
-    # Pages already taken by the bound are removed before ranking by centre.
-    b_i = jnp.arange(bound.shape[0])[:, None, None]
-    h_i = jnp.arange(bound.shape[1])[None, :, None]
+    g = cfg.gqa_group
+    per_head = min(round(k * cfg.bound_share) // g, bound.shape[-1])  # bound pages per query head
+    top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
+    top_b = top_b.reshape(*top_b.shape[:2], -1)
+    pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
+    # A page picked by several heads is kept once; its other slots stay empty.
+    order = jnp.argsort(pages_b, axis=-1)
+    sorted_pages = jnp.take_along_axis(pages_b, order, axis=-1)
+    dup_sorted = jnp.concatenate([jnp.zeros_like(sorted_pages[..., :1], bool),
+                                  sorted_pages[..., 1:] == sorted_pages[..., :-1]], axis=-1)
+    dup = jnp.zeros_like(dup_sorted).at[
+        jnp.arange(dup_sorted.shape[0])[:, None, None],
+        jnp.arange(dup_sorted.shape[1])[None, :, None], order].set(dup_sorted)
+    top_b = jnp.where(dup, -jnp.inf, top_b)
+    # Then the pages with the most estimated group mass, among those not yet taken.
+    b_i = jnp.arange(center.shape[0])[:, None, None]
+    h_i = jnp.arange(center.shape[1])[None, :, None]
     center = center.at[b_i, h_i, pages_b].set(-jnp.inf)
-    top_c, pages_c = jax.lax.top_k(center, k - k_bound)
+    top_c, pages_c = jax.lax.top_k(center, k - pages_b.shape[-1])
     top = jnp.concatenate([top_b, top_c], axis=-1)
     logical = jnp.concatenate([pages_b, pages_c], axis=-1)
     ok = top > -jnp.inf  # NaN scores (NaN keys) stay in their own sequence

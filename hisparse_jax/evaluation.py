@@ -196,3 +196,22 @@ def needle_pages_hit(ev: Evaluation, targets: np.ndarray, min_mass: float = 0.0
             total += 1
             hit += p in chosen
     return hit, total
+
+
+def needles_found(ev: Evaluation, targets: np.ndarray) -> tuple[int, int]:
+    """(needles whose heaviest page was attended, needles asked for) over all
+    retrieval queries: the needle was found at its depth."""
+    cfg = ev.config
+    pg, g = cfg.page_size, cfg.gqa_group
+    s = ev.weights.shape[-1]
+    bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
+    live = set((bf16_pos[bf16_pos >= 0] // pg).tolist()) | set((fp8_pos[fp8_pos >= 0] // pg).tolist())
+    found = total = 0
+    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
+        start, end = targets[n, hq]
+        pages = range(start // pg, (end - 1) // pg + 1)
+        heaviest = max(pages, key=lambda p: ev.weights[n, hq, max(start, p * pg):
+                                                       min(end, (p + 1) * pg)].sum())
+        total += 1
+        found += heaviest in live or heaviest in set(ev.selected_pages[n, hq // g].tolist())
+    return found, total

@@ -12,13 +12,13 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
                 page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Two digest scores per page, from logits q.k / sqrt(D):
 
-    bound:  q.c + |q|.r = sum_d max(q_d*lo_d, q_d*hi_d), Quest's upper bound on
-            q.k over the page (finds pages with a few spiking keys); the GQA
-            group combined by log-sum-exp (~ the largest head's bound);
+    bound:  per query head, q.c + |q|.r = sum_d max(q_d*lo_d, q_d*hi_d), Quest's
+            upper bound on q.k over the page (finds pages with a few spiking
+            keys); kept per head so each head gets its own top pages;
     center: q.c, the page's typical logit; each head's centres become a softmax
             over pages (its estimated mass shares) and the group's shares are
-            summed (log) (ranks spread mass; a head with a large query norm
-            cannot drown the others).
+            summed (log): ranks spread mass, and a head with a large query norm
+            cannot drown the others.
 
     Two dots of bf16 digests with the query rounded to bf16, accumulated in f32
     (~3 significant digits in q: plenty for ranking pages).
@@ -27,7 +27,8 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     digest_center: [Hkv, P, D] bf16      per-channel key range centre of each pool page
     digest_radius: [Hkv, P, D] bf16      ... and half-width
     page_table:    [B, N] int32          logical page -> pool page, -1 = not a candidate
-    returns        (bound, center), each [B, Hkv, N] float32, -inf for non-candidates
+    returns        bound [B, Hkv, G, N] and center [B, Hkv, N] float32, -inf for
+                   non-candidates
     """
     q = (q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))).transpose(1, 0, 2, 3)
     ids = jnp.maximum(page_table, 0)
@@ -41,13 +42,11 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     bound = center + dot(jnp.abs(q), digest_radius)
     ok = page_table[None, :, None, :] >= 0
 
-    def spikes(x):  # [Hkv, B, G, N] -> [B, Hkv, N]: the group's largest possible logit
+    def mass(x):  # [Hkv, B, G, N] -> [B, Hkv, N]: sum over the group of each head's
+        # softmax over pages (its estimated mass shares), in log space
+        x = jnp.where(ok, x, -jnp.inf)
+        x = x - jax.nn.logsumexp(x, axis=3, keepdims=True)
         return jnp.where(ok, jax.nn.logsumexp(x, axis=2, keepdims=True),
                          -jnp.inf)[:, :, 0].transpose(1, 0, 2)
 
-    def mass(x):  # the group's estimated mass: sum of each head's softmax over pages,
-        # so a head with a large query norm cannot drown the others
-        x = jnp.where(ok, x, -jnp.inf)
-        return spikes(x - jax.nn.logsumexp(x, axis=3, keepdims=True))
-
-    return spikes(bound), mass(center)
+    return jnp.where(ok, bound, -jnp.inf).transpose(1, 0, 2, 3), mass(center)
