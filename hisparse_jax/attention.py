@@ -69,14 +69,17 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     dup = jnp.zeros_like(dup_sorted).at[
         jnp.arange(dup_sorted.shape[0])[:, None, None],
         jnp.arange(dup_sorted.shape[1])[None, :, None], order].set(dup_sorted)
-    top_b = jnp.where(dup, -jnp.inf, top_b)
-    # Then the pages with the most estimated group mass, among those not yet taken.
+    # Then the pages with the most estimated group mass, among those not yet taken,
+    # fill the budget: exactly k slots, bound pages first, centre pages by rank.
     b_i = jnp.arange(center.shape[0])[:, None, None]
     h_i = jnp.arange(center.shape[1])[None, :, None]
     center = center.at[b_i, h_i, pages_b].set(-jnp.inf)
-    top_c, pages_c = jax.lax.top_k(center, k - pages_b.shape[-1])
-    top = jnp.concatenate([top_b, top_c], axis=-1)
-    logical = jnp.concatenate([pages_b, pages_c], axis=-1)
+    top_c, pages_c = jax.lax.top_k(center, k)
+    priority = jnp.concatenate([
+        jnp.where(dup | (top_b == -jnp.inf), -jnp.inf, 2.0),
+        jnp.where(top_c > -jnp.inf, 1.0 - jnp.arange(k) / k, -jnp.inf)], axis=-1)
+    top, pick = jax.lax.top_k(priority, k)
+    logical = jnp.take_along_axis(jnp.concatenate([pages_b, pages_c], axis=-1), pick, axis=-1)
     ok = top > -jnp.inf  # NaN scores (NaN keys) stay in their own sequence
     logical = jnp.where(ok, logical, -1).astype(jnp.int32)
     pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
