@@ -7,7 +7,6 @@ several calls: the ratio is what to trust on a noisy machine.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import jax
@@ -65,5 +64,6 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
         "preset": preset_name, "implementation": "xla", "backend": jax.default_backend(),
         "dense_ms": dense_ms, "hisparse_ms": sparse_ms, "speedup": dense_ms / sparse_ms,
         "dense_ms_all": dense_all, "hisparse_ms_all": sparse_all,
-        "command": " ".join(["hisparse"] + sys.argv[1:]) if sys.argv else "",
+        "command": f"hisparse bench attention --context {context} --batch {batch} "
+                   f"--repeats {repeats} --preset {preset_name}",
     }

@@ -65,12 +65,11 @@ def cmd_eval(args):
     cfg = preset(args.preset)
     if args.budget_tokens is not None:
         cfg = cfg.replace(budget_tokens=args.budget_tokens)
-    try:
-        cfg = cfg.replace(head_dim=k.shape[2])  # validates head_dim with the preset
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
     _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
-    summary = evaluate(cfg, q, k, v).summary()
+    try:
+        summary = evaluate(cfg, q, k, v).summary()
+    except ValueError as e:  # shapes the preset cannot hold (e.g. odd head_dim)
+        raise SystemExit(f"error: {e}")
     if args.json:
         print(json.dumps(summary))
     else:
@@ -81,6 +80,7 @@ def cmd_bench_attention(args):
     from hisparse_jax.bench import bench_attention
     row = bench_attention(args.context, preset_name=args.preset, batch=args.batch,
                           repeats=args.repeats, log=_log)
+    row["command"] = args.command_line
     if args.json:
         print(json.dumps(row))
     else:
@@ -123,7 +123,9 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = " ".join(["hisparse", *argv])
     if getattr(args, "context", 1) is not None and getattr(args, "context", 1) < 1:
         raise SystemExit("error: --context must be >= 1")
     args.func(args)

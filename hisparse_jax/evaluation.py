@@ -29,10 +29,12 @@ from hisparse_jax.state import slot_positions
 
 
 def config_for(cfg: HiSparseConfig, k: np.ndarray, gqa_group: int) -> HiSparseConfig:
-    """`cfg` reshaped to hold one sequence of k [S, Hkv, D]."""
+    """`cfg` reshaped to hold one sequence of k [S, Hkv, D] (the value group shrinks
+    to D/2 for small heads, e.g. 16 channels at head_dim 32)."""
     s, hkv, d = k.shape
     pg = cfg.page_size
     return cfg.replace(num_kv_heads=hkv, gqa_group=gqa_group, head_dim=d, max_seqs=1,
+                       value_group=min(cfg.value_group, max(1, d // 2)),
                        max_context=max(pg, -(-s // pg) * pg), num_pool_pages=None)
 
 

@@ -1,0 +1,84 @@
+"""The `hisparse` command line: eval on user npz files, bench attention, demo."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hisparse_jax.cli import main
+from hisparse_jax.workloads import make_workload
+
+JSON_KEYS = {"recall_mean", "recall_p5", "rel_error_mean", "rel_error_p95",
+             "selection_error_mean", "top10_recall", "attended_fraction",
+             "device_bytes_per_token", "capacity_vs_bf16"}
+
+
+def _npz(tmp_path, d, dtype=np.float16, s=3000, name="qkv.npz"):
+    w = make_workload(context=s, num_kv_heads=2, gqa_group=2, head_dim=d, num_queries=3, seed=d)
+    path = tmp_path / name
+    np.savez(path, q=w.q.astype(dtype), k=w.k.astype(dtype), v=w.v.astype(dtype))
+    return path
+
+
+@pytest.mark.parametrize("d,dtype", [(32, np.float16), (64, np.float32), (128, np.float16)])
+def test_eval_json(tmp_path, capsys, d, dtype):
+    main(["eval", "--qkv", str(_npz(tmp_path, d, dtype)), "--budget-tokens", "256", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert JSON_KEYS <= set(row)
+    assert 0.0 < row["recall_mean"] <= 1.0 + 1e-6
+    assert row["capacity_vs_bf16"] > 1.0
+
+
+def test_eval_budget_all_isolates_quantization(tmp_path, capsys):
+    main(["eval", "--qkv", str(_npz(tmp_path, 64)), "--budget-tokens", "all", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert row["selection_error_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert row["recall_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert row["rel_error_mean"] < 0.1
+
+
+def test_eval_table(tmp_path, capsys):
+    main(["eval", "--qkv", str(_npz(tmp_path, 64))])
+    assert "recall_mean" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arrays,msg", [
+    (dict(q=np.zeros((2, 4, 64), np.float32), k=np.zeros((100, 2, 64), np.float32)), "lacks"),
+    (dict(q=np.zeros((2, 4, 64), np.int32), k=np.zeros((100, 2, 64), np.float32),
+          v=np.zeros((100, 2, 64), np.float32)), "float16 or float32"),
+    (dict(q=np.zeros((2, 3, 64), np.float32), k=np.zeros((100, 2, 64), np.float32),
+          v=np.zeros((100, 2, 64), np.float32)), "multiple"),
+    (dict(q=np.zeros((2, 4, 64), np.float32), k=np.full((100, 2, 64), np.nan, np.float32),
+          v=np.zeros((100, 2, 64), np.float32)), "finite"),
+    (dict(q=np.zeros((2, 4, 63), np.float32), k=np.zeros((100, 2, 63), np.float32),
+          v=np.zeros((100, 2, 63), np.float32)), "head_dim"),
+])
+def test_eval_bad_input(tmp_path, arrays, msg):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(SystemExit, match=msg):
+        main(["eval", "--qkv", str(path)])
+
+
+def test_eval_missing_file(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read"):
+        main(["eval", "--qkv", str(tmp_path / "nope.npz")])
+
+
+def test_bad_budget(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["eval", "--qkv", str(_npz(tmp_path, 64)), "--budget-tokens", "lots"])
+
+
+def test_bench_attention_json(capsys):
+    main(["bench", "attention", "--context", "8192", "--repeats", "3", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert row["dense_ms"] > 0 and row["hisparse_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["dense_ms"] / row["hisparse_ms"])
+    assert "bench attention" in row["command"]
+
+
+def test_demo_small(capsys):
+    main(["demo", "--context", "8192"])
+    out = capsys.readouterr().out
+    assert "retrieval" in out and "capacity at 1M tokens" in out and "faster" in out
