@@ -21,8 +21,10 @@ resident (K <= W is required). Two policies share the interface:
   (score <- decay * score + [selected]). Predictions for step t+1 are the pages
   of the layer below at step t+1 (`prev_layer_selected`, known one layer ahead of
   need) and the runner-up pages of step t's scores (`candidates`: a wider top-k of
-  the same digest scores, free to compute); up to `max_prefetch` of them that are
-  not resident are prefetched.
+  the same digest scores, free to compute). Up to `max_prefetch` predicted pages
+  that are not resident are prefetched: by default only the layer below's (the
+  runner-ups then only protect resident pages; prefetching them too bought little
+  hit rate for many bytes, see docs/scheduler.md).
 - "lru": keep = selected pages, then the most recently selected; demand fetch only.
 
 Counters (int32, summed over sequences and heads): selected, hits (selected and
@@ -56,6 +58,9 @@ class Policy:
     kind: str = "predictive"
     decay: float = 0.8          # score <- decay * score + [selected]
     max_prefetch: int = 32      # new pages prefetched per (sequence, KV head) per step
+    # Runner-up pages (`candidates`) are fetched ahead when True; when False they only
+    # protect resident pages from eviction (the layer below's pages are fetched).
+    prefetch_candidates: bool = False
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -141,9 +146,10 @@ def _dedup(x):
     return jnp.where(jnp.any(earlier, axis=1) | (x < 0), -1, x)
 
 
-def _plan_row(policy: Policy, step, res, score, last, sel, pred):
+def _plan_row(policy: Policy, step, res, score, last, sel, pred, n_fetchable=None):
     """One (sequence, KV head). res/score/last [W], sel [K], pred [C] (ordered by
-    preference). Returns the row's plan fields."""
+    preference; only the first n_fetchable may be fetched, the rest only protect
+    resident pages). Returns the row's plan fields."""
     W, K = res.shape[0], sel.shape[0]
     sel = _dedup(sel)
     valid_res = res >= 0
@@ -153,19 +159,22 @@ def _plan_row(policy: Policy, step, res, score, last, sel, pred):
     score = jnp.where(valid_res, policy.decay * score + res_sel, 0.0)
     last = jnp.where(res_sel, step, last)
 
-    if policy.kind == "predictive" and pred.shape[0]:
+    if policy.kind == "predictive":
         pred = _dedup(pred)
         pred = jnp.where(_member(pred, sel), -1, pred)   # selected pages are kept anyway
         res_pred = _member(res, pred)                    # [W] resident and predicted
         new_pred = jnp.where(_member(pred, res), -1, pred)
+        if n_fetchable is not None:
+            new_pred = jnp.where(jnp.arange(pred.shape[0]) < n_fetchable, new_pred, -1)
         rank = jnp.cumsum(new_pred >= 0) - 1             # preference order among new ones
         new_pred = jnp.where(rank < policy.max_prefetch, new_pred, -1)
-        c = new_pred.shape[0]
+        c = max(1, new_pred.shape[0])
         # Tiers: 3 selected, 2.5-3 resident predicted, 2-2.5 new predicted, 1-2 the rest.
         keep_old = 1.0 + 0.9 * score * (1.0 - policy.decay) \
             + 0.1 * (last + 1) / (step + 1.0)
         keep_old = jnp.where(res_pred, 2.75, keep_old)
-        pr_pred = jnp.where(new_pred >= 0, 2.5 - 0.5 * jnp.arange(c) / c, -jnp.inf)
+        pr_pred = jnp.where(new_pred >= 0, 2.5 - 0.5 * jnp.arange(new_pred.shape[0]) / c,
+                            -jnp.inf)
     else:
         new_pred = jnp.full((0,), -1, jnp.int32)
         keep_old = 1.0 + (last + 1) / (step + 1.0)       # LRU: most recently used first
@@ -223,10 +232,19 @@ def plan(state: SchedulerState, selected_pages: jax.Array, prev_layer_selected=N
     if K > W:
         raise ValueError(f"working set W={W} must hold the selection K={K}")
     b, h = selected_pages.shape[:2]
+    if prev_layer_selected is not None and candidates is not None:
+        # Pages both predictors name first (stable: each list keeps its own order).
+        prev = prev_layer_selected.astype(jnp.int32)
+        agree = jax.vmap(jax.vmap(_member))(prev, candidates.astype(jnp.int32))
+        order = jnp.argsort(~agree, axis=-1, stable=True)
+        prev_layer_selected = jnp.take_along_axis(prev, order, axis=-1)
     parts = [x.astype(jnp.int32) for x in (prev_layer_selected, candidates) if x is not None]
     pred = (jnp.concatenate(parts, axis=-1) if parts
             else jnp.zeros((b, h, 0), jnp.int32))
-    row = functools.partial(_plan_row, state.policy, state.step)
+    n_fetchable = pred.shape[-1]
+    if candidates is not None and not state.policy.prefetch_candidates:
+        n_fetchable -= candidates.shape[-1]
+    row = functools.partial(_plan_row, state.policy, state.step, n_fetchable=n_fetchable)
     f = jax.vmap(jax.vmap(row))
     fetch, evict, predicted, hit, res, score, last, delta = f(
         state.resident, state.score, state.last_used, selected_pages.astype(jnp.int32), pred)
@@ -407,9 +425,12 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
             + ", ".join(f"{k}={v:.3f}" for k, v in tr.info.items() if k.startswith("overlap")))
         K = tr.selected.shape[-1]
         variants = [("lru", LRU, True, True),
+                    # default: prefetch the layer below's pages, keep runner-ups resident
                     ("predictive", Policy(), True, True),
-                    ("predictive-no-prev-layer", Policy(), False, True),
-                    ("predictive-no-prefetch", Policy(max_prefetch=0), False, False)]
+                    # a first layer (no layer below): prefetch the runner-ups instead
+                    ("predictive-runner-ups", Policy(prefetch_candidates=True), False, True),
+                    # eviction by recency-weighted frequency alone, no prediction
+                    ("frequency-only", Policy(max_prefetch=0), False, False)]
         for m in multiples:
             for name, pol, up, uc in variants:
                 c = evaluate(tr, int(m * K), pol, use_prev=up, use_cand=uc)
