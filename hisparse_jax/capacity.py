@@ -21,7 +21,8 @@ import json
 import re
 
 from hisparse_jax import layout
-from hisparse_jax.config import PRESETS, HiSparseConfig, preset as get_preset
+from hisparse_jax.config import PRESETS, HiSparseConfig
+from hisparse_jax.config import preset as get_preset
 
 GIB = 1 << 30
 
@@ -95,10 +96,18 @@ def fmt_bytes(n: float) -> str:
 
 # ---------------------------------------------------------------- the plan
 
+def _model(model: ModelShape | str) -> ModelShape:
+    if isinstance(model, ModelShape):
+        return model
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
+    return MODELS[model]
+
+
 def layer_config(model: ModelShape | str, context: int, preset: str | HiSparseConfig = "default",
                  **overrides) -> HiSparseConfig:
     """One layer's cache config: the preset's tiers and page size, the model's KV shapes."""
-    m = MODELS[model] if isinstance(model, str) else model
+    m = _model(model)
     base = preset if isinstance(preset, HiSparseConfig) else get_preset(preset)
     pg = base.page_size
     ctx = max(pg, -(-context // pg) * pg)
@@ -126,9 +135,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     (per (sequence, KV head)) overrides working_set_multiple x budget pages.
     digest_dtype "int8" is a what-if the layout does not implement yet.
     """
-    m = MODELS[model] if isinstance(model, str) else model
-    if isinstance(model, str) and model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
+    m = _model(model)
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
     if digest_dtype not in ("bf16", "int8"):
@@ -151,7 +158,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     if offload:
         from hisparse_jax.scheduler import working_set_bytes
         ws_pages = (working_set_pages if working_set_pages is not None
-                    else int(round(working_set_multiple * cfg.budget_pages)))
+                    else round(working_set_multiple * cfg.budget_pages))
         n_cold = cold_codes // layout.per_page_cold_bytes(cfg)[0]
         ws_pages = max(0, min(ws_pages, n_cold))  # never more than the sequence has
         tiers["working_set"] = working_set_bytes(cfg, ws_pages) if ws_pages else 0
@@ -216,9 +223,9 @@ def offload_target_check(model="llama3-8b", context=1 << 20, target=16.0) -> dic
 # ---------------------------------------------------------------- CLI
 
 def _table(p: dict) -> str:
-    lines = [f"{p['model']}  context {p['context']}  preset {p['preset']} (page "
+    lines = [(f"{p['model']}  context {p['context']}  preset {p['preset']} (page "
              f"{p['page_size']}, budget {p['budget_pages']} pages)  "
-             f"{'offload' if p['offload'] else 'all on device'}  digests {p['digest_dtype']}"]
+             f"{'offload' if p['offload'] else 'all on device'}  digests {p['digest_dtype']}")]
     w = max(len(k) for k in p["tiers_device_bytes"]) + 2
     for k, v in p["tiers_device_bytes"].items():
         lines.append(f"  device {k.ljust(w)}{fmt_bytes(v):>12}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import struct
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mmh3
 import numpy as np

@@ -34,7 +34,6 @@ Host->device bytes = fetched x `page_bytes(cfg)`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -141,7 +140,6 @@ def _member(x, pool):
 
 def _dedup(x):
     """Replace repeats (after their first occurrence) and negatives by -1."""
-    n = x.shape[0]
     earlier = jnp.tril(x[:, None] == x[None, :], k=-1)
     return jnp.where(jnp.any(earlier, axis=1) | (x < 0), -1, x)
 

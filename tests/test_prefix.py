@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_jax.prefix import PrefixIndex, mmh3_page_hash, page_hashes
 
@@ -111,7 +112,7 @@ def test_random_interleavings(ops, collide):
             free |= set(got)
         elif op == "match":
             before = ix.stats["collisions"]
-            k, pages = ix.match(doc)
+            k, _pages = ix.match(doc)
             # Every page returned really holds these tokens after this prefix.
             parent = None
             for i, h in enumerate(ix.hashes(doc)[:k]):
