@@ -91,7 +91,7 @@ def parse_tokens(text) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 # ---------------------------------------------------------------- the plan

@@ -411,14 +411,16 @@ def evaluate(trace: Trace, working_set: int, policy: Policy, *, use_prev=True,
 
 
 def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 4),
-                    kinds=("drift", "retrieval"), seed: int = 0, log=None) -> list[dict]:
+                    kinds=("drift", "retrieval"), seed: int = 0, step_noise: float = 0.3,
+                    layer_noise: float = 0.3, log=None) -> list[dict]:
     """Resident hit rate and host->device bytes per step, predictive policy vs LRU,
     at working sets of `multiples` x the selection budget, on real-selection traces."""
     log = log or (lambda *_: None)
     rows = []
     for kind in kinds:
         t0 = time.perf_counter()
-        tr = make_trace(kind, context=context, steps=steps, seed=seed, log=log)
+        tr = make_trace(kind, context=context, steps=steps, seed=seed, step_noise=step_noise,
+                        layer_noise=layer_noise, log=log)
         log(f"trace {kind} built in {time.perf_counter() - t0:.1f}s: "
             + ", ".join(f"{k}={v:.3f}" for k, v in tr.info.items() if k.startswith("overlap")))
         K = tr.selected.shape[-1]
@@ -442,6 +444,8 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
 
 def main_bench_scheduler(args) -> list[dict]:
     rows = bench_scheduler(context=args.context, steps=args.steps, seed=args.seed,
+                           step_noise=args.step_noise, layer_noise=args.layer_noise,
+                           kinds=tuple(args.traces.split(",")),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         for r in rows:
@@ -465,6 +469,11 @@ def add_scheduler_bench_parser(bench_subparsers):
     s.add_argument("--context", type=int, default=32768)
     s.add_argument("--steps", type=int, default=256)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--traces", default="drift,retrieval", help="comma-separated trace kinds")
+    s.add_argument("--step-noise", type=float, default=0.3,
+                   help="per-step query jitter (x query norm); sets step-to-step overlap")
+    s.add_argument("--layer-noise", type=float, default=0.3,
+                   help="adjacent-layer query jitter (x query norm)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=main_bench_scheduler)
     return s
