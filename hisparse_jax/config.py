@@ -30,7 +30,7 @@ class HiSparseConfig:
     # Share of the cold budget picked by Quest's upper bound (catches pages with a
     # few spiking keys: needles); the rest goes to the best page-centre scores
     # (ranks the spread mass of diffuse heads better). docs/selection.md measures it.
-    bound_share: float = 0.25
+    bound_share: float = 0.75
     max_context: int = 131072  # tokens per sequence
     max_seqs: int = 1
     num_pool_pages: int | None = None  # cold page pool; None = max_seqs full contexts

@@ -52,9 +52,12 @@ def test_needles_found_at_every_depth(case):
     _, w, ev, _ = case
     found, total = needles_found(ev, w.needle_targets)
     assert total >= 30 and found == total
-    # Pages holding only a needle's edge tokens can rank below the budget.
+    # Every needle page holding >= 1% of the head's mass (pages holding only a
+    # needle's faint edge tokens may rank below the budget).
     hit, pages = needle_pages_hit(ev, w.needle_targets, min_mass=0.01)
-    assert hit >= 0.9 * pages
+    print("needles", found, total, "pages >= 1%", hit, pages,
+          "all pages", needle_pages_hit(ev, w.needle_targets))
+    assert hit >= 0.95 * pages  # measured: 118/118 at 32K, 99/103 at 128K
 
 
 def test_quantization_alone(case):
