@@ -29,7 +29,7 @@ class HiSparseConfig:
     value_group: int = 32  # channels sharing one int4 value scale/zero
     # Share of the cold budget picked by Quest's upper bound (catches pages with a
     # few spiking keys: needles); the rest goes to the best page-centre scores
-    # (ranks the spread mass of diffuse heads better). docs/selection.md measures it.
+    # (ranks the spread mass of diffuse heads better). docs/results.md measures it.
     bound_share: float = 0.75
     max_context: int = 131072  # tokens per sequence
     max_seqs: int = 1
