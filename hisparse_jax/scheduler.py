@@ -365,6 +365,7 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
     cand = np.asarray(sel(wide)(jnp.asarray(q_step, jnp.float32)))
     info = {"kind": kind, "context": context, "steps": steps, "segment": segment,
             "num_kv_heads": num_kv_heads, "budget_pages": cfg.budget_pages,
+            "bound_share": cfg.bound_share,
             "cold_pages": int(np.sum(np.asarray(st.page_table[0]) >= 0)),
             "step_noise": step_noise, "layer_noise": layer_noise, "seed": seed,
             "overlap_consecutive_steps": _overlap(selected[1:], selected[:-1]),
@@ -412,7 +413,7 @@ def evaluate(trace: Trace, working_set: int, policy: Policy, *, use_prev=True,
 
 def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 4),
                     kinds=("drift", "retrieval"), seed: int = 0, step_noise: float = 0.3,
-                    layer_noise: float = 0.3, log=None) -> list[dict]:
+                    layer_noise: float = 0.3, max_prefetch=(32,), log=None) -> list[dict]:
     """Resident hit rate and host->device bytes per step, predictive policy vs LRU,
     at working sets of `multiples` x the selection budget, on real-selection traces."""
     log = log or (lambda *_: None)
@@ -426,7 +427,8 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
         K = tr.selected.shape[-1]
         variants = [("lru", LRU, True, True),
                     # default: prefetch the layer below's pages, keep runner-ups resident
-                    ("predictive", Policy(), True, True),
+                    *((("predictive" if n == Policy().max_prefetch else f"predictive-pf{n}"),
+                       Policy(max_prefetch=n), True, True) for n in max_prefetch),
                     # a first layer (no layer below): prefetch the runner-ups instead
                     ("predictive-runner-ups", Policy(prefetch_candidates=True), False, True),
                     # eviction by recency-weighted frequency alone, no prediction
@@ -446,6 +448,7 @@ def main_bench_scheduler(args) -> list[dict]:
     rows = bench_scheduler(context=args.context, steps=args.steps, seed=args.seed,
                            step_noise=args.step_noise, layer_noise=args.layer_noise,
                            kinds=tuple(args.traces.split(",")),
+                           max_prefetch=tuple(int(x) for x in args.max_prefetch.split(",")),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         for r in rows:
@@ -470,6 +473,9 @@ def add_scheduler_bench_parser(bench_subparsers):
     s.add_argument("--steps", type=int, default=256)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--traces", default="drift,retrieval", help="comma-separated trace kinds")
+    s.add_argument("--max-prefetch", default="32",
+                   help="comma-separated prefetch limits per (sequence, KV head) per step "
+                        "for the predictive policy (a sweep: 8,16,32,64)")
     s.add_argument("--step-noise", type=float, default=0.3,
                    help="per-step query jitter (x query norm); sets step-to-step overlap")
     s.add_argument("--layer-noise", type=float, default=0.3,
