@@ -247,7 +247,7 @@ def main_capacity(args) -> dict:
     try:
         dev = parse_size(args.device_memory) if args.device_memory is not None else None
         reserve = parse_size(args.reserve) if args.reserve else 0
-        context = parse_tokens(args.context)
+        context = parse_tokens(args.context)  # already an int from the parser
         p = plan(args.model, context, dev, offload=args.offload, preset=args.preset,
                  working_set_multiple=args.working_set, reserve_bytes=reserve,
                  digest_dtype=args.digest_dtype)
@@ -255,6 +255,13 @@ def main_capacity(args) -> dict:
         raise SystemExit(f"error: {e}")
     print(json.dumps(p) if args.json else _table(p))
     return p
+
+
+def _tokens_arg(text):
+    try:
+        return parse_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def _positive_float(text):
@@ -272,7 +279,8 @@ def add_capacity_parser(subparsers):
     c = subparsers.add_parser("capacity", help="KV cache bytes per tier, device/host, "
                                                "sequences that fit")
     c.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
-    c.add_argument("--context", default="1048576", help="tokens per sequence (e.g. 1048576, 1M)")
+    c.add_argument("--context", type=_tokens_arg, default=1 << 20,
+                   help="tokens per sequence (e.g. 1048576, 128K, 1M)")
     c.add_argument("--device-memory", default=None,
                    help="device budget for KV caches, e.g. 141GB, 80GiB, or bytes")
     c.add_argument("--reserve", default=None, help="device bytes reserved (e.g. weights: 16GB)")

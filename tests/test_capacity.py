@@ -105,3 +105,20 @@ def test_cli(capsys):
         _cli(["capacity", "--device-memory", "lots"])
     with pytest.raises(SystemExit):
         _cli(["capacity", "--model", "nope"])
+    with pytest.raises(SystemExit):
+        _cli(["capacity", "--context", "lots"])
+
+
+def test_cli_wired_into_hisparse_main(capsys):
+    """The real `hisparse` parser with the one-line wiring (cli.main checks
+    args.context < 1, so --context must arrive as an int)."""
+    from hisparse_jax import cli
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "capacity" not in sub.choices:
+        cap.add_capacity_parser(sub)
+    args = parser.parse_args(["capacity", "--context", "1M", "--device-memory", "80GiB",
+                              "--offload", "--json"])
+    assert args.context == 1 << 20
+    args.func(args)
+    assert json.loads(capsys.readouterr().out)["max_sequences"] >= 1
