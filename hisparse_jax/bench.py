@@ -18,21 +18,25 @@ from hisparse_jax.cache import HiSparseCache
 from hisparse_jax.config import HiSparseConfig, preset
 
 
-def _time(fn, repeats):
-    jax.block_until_ready(fn())  # compile + warm-up
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _time_interleaved(fns, repeats):
+    """Median ms of each fn, calls alternated so every fn sees the same machine load."""
+    for fn in fns:  # compile + warm-up
         jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
+        jax.block_until_ready(fn())
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return [(statistics.median(ts), ts) for ts in times]
 
 
 def bench_attention(context: int, *, preset_name: str = "default", batch: int = 1,
                     repeats: int = 7, seed: int = 0, log=None) -> dict:
     """Decode attention at `context` tokens: HiSparse (cache already filled) vs dense
-    bf16 attention over the same K/V. Random K/V: speed does not depend on content."""
+    bf16 attention over the same K/V, calls interleaved. Random K/V: speed does not
+    depend on content (selection always reads every digest and `budget` pages)."""
     log = log or (lambda *_: None)
     base = preset(preset_name)
     pg = base.page_size
@@ -53,12 +57,10 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
     lengths = jnp.full((batch,), context, jnp.int32)
     state = cache.state
 
-    log("timing dense ...")
-    dense_ms, dense_all = _time(lambda: dense_decode_attention(q, k_dense, v_dense, lengths),
-                                repeats)
-    log("timing hisparse ...")
-    sparse_ms, sparse_all = _time(
-        lambda: decode_attention(cfg, state, q, implementation="xla"), repeats)
+    log(f"timing dense and hisparse, {repeats} interleaved calls each ...")
+    (dense_ms, dense_all), (sparse_ms, sparse_all) = _time_interleaved(
+        [lambda: dense_decode_attention(q, k_dense, v_dense, lengths),
+         lambda: decode_attention(cfg, state, q, implementation="xla")], repeats)
     return {
         "case": f"decode_{context}_b{batch}", "context": context, "batch": batch,
         "preset": preset_name, "implementation": "xla", "backend": jax.default_backend(),
