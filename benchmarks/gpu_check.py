@@ -31,7 +31,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,16 +38,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hisparse_jax.bench_kernels import (  # shared with `hisparse bench kernels`
+    DECODE_ARGS,
+    PEAK_BYTES_PER_S,
+    make_case,
+    make_ops,
+    op_bytes,
+    rel_err,
+    select,
+    time_fn,
+)
 from pallas_kernels.lookup import kernel as lookup_kernel
 from pallas_kernels.lookup import reference as lookup_ref
 from pallas_kernels.quant import kernel as quant_kernel
 from pallas_kernels.quant import reference as quant_ref
 from pallas_kernels.sparse_decode import kernel as decode_kernel
 from pallas_kernels.sparse_decode import reference as decode_ref
-
-PEAK_BYTES_PER_S = 4.3e12  # measured copy ceiling of the H200
-INT32_LIMIT = 2**31 - 1    # Pallas Triton pool offsets are int32
-
 
 # ----------------------------------------------------------------------------- shapes
 
@@ -63,172 +68,28 @@ def shape_set(dry_run: bool):
                 "value_group": 32}
 
 
-def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot, warm, budget,
-              value_group, with_dense=True):
-    """Synthetic tiers for one decode step. Cold pool pages alias (page id modulo the
-    pool size) when a full pool would pass int32 offsets; that changes no byte counts."""
-    b, h, g, d = batch, kv_heads, group, head_dim
-    ks = iter(jax.random.split(key, 24))
-    tb, tw = sink + hot, warm
-    n = context // page                         # logical pages per sequence
-    k_sel = min(budget // page, n)
-    per_page = h * page * (d // 2)
-    pool = min(b * n, INT32_LIMIT // per_page)
-    ng = d // value_group
-    q = jax.random.normal(next(ks), (b, h, g, d), jnp.float32)
-    arrays = {
-        "q": q,
-        "bf16_k": jax.random.normal(next(ks), (b, h, tb, d), jnp.bfloat16),
-        "bf16_v": jax.random.normal(next(ks), (b, h, tb, d), jnp.bfloat16),
-        "bf16_valid": jnp.ones((b, tb), bool),
-        "fp8_k": jax.random.normal(next(ks), (b, h, tw, d), jnp.float32).astype(jnp.float8_e4m3fn),
-        "fp8_v": jax.random.normal(next(ks), (b, h, tw, d), jnp.float32).astype(jnp.float8_e4m3fn),
-        "fp8_k_scale": jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
-        "fp8_v_scale": jax.random.uniform(next(ks), (b, h, tw), jnp.float32, 0.001, 0.01),
-        "fp8_valid": jnp.ones((b, tw), bool),
-        # Cold pool, head-major [Hkv, P, ...] (hisparse_jax.state layout).
-        "int4_k": jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
-        "int4_v": jax.random.bits(next(ks), (h, pool, page, d // 2), jnp.uint8),
-        "int4_v_scale": jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
-                                        0.01, 0.2).astype(jnp.bfloat16),
-        "int4_v_zero": jax.random.uniform(next(ks), (h, pool, page, ng), jnp.float32,
-                                       -1.5, -0.5).astype(jnp.bfloat16),
-    }
-    # Digest: per-channel key range centre and radius (>= 0) of each page, [Hkv, P, D].
-    arrays["digest_center"] = jax.random.normal(next(ks), (h, pool, d), jnp.bfloat16)
-    arrays["digest_radius"] = jax.random.uniform(next(ks), (h, pool, d), jnp.float32,
-                                                 0.0, 1.5).astype(jnp.bfloat16)
-    # Sequence i owns logical pages i*n .. i*n+n-1 of the pool (aliased modulo pool);
-    # the most recent pages (sink/hot/warm) are not candidates.
-    table = (jnp.arange(b, dtype=jnp.int32)[:, None] * n + jnp.arange(n, dtype=jnp.int32)) % pool
-    recent = -(-(tb + tw) // page)
-    table = jnp.where(jnp.arange(n)[None, :] >= n - recent, -1, table) if n > recent else table
-    arrays["page_table"] = table.astype(jnp.int32)
-    dims = {"batch": b, "context": context, "kv_heads": h, "q_heads": h * g, "head_dim": d, "page": page,
-                "bf16_tokens": tb, "fp8_tokens": tw, "cold_pages": k_sel, "pool_pages": pool,
-                "pool_aliased": pool < b * n, "value_group": value_group}
-    if with_dense:
-        # Dense baseline K/V: tile a random block so no context-sized f32 temporary exists.
-        blk = min(context, 4096)
-        base_k = jax.random.normal(next(ks), (1, h, blk, d), jnp.bfloat16)
-        base_v = jax.random.normal(next(ks), (1, h, blk, d), jnp.bfloat16)
-        reps = (b, 1, context // blk, 1)
-        arrays["dense_k"] = jnp.tile(base_k, reps)
-        arrays["dense_v"] = jnp.tile(base_v, reps)
-    return arrays, dims
+# Inputs (make_case) and the byte model (op_bytes) live in hisparse_jax.bench_kernels.
+_IMPL_OPS = {"dense_bf16": "dense", "sparse_xla": "step", "sparse_pallas": "step",
+             "lookup_pallas": "lookup", "decode_pallas": "sparse_decode"}
 
 
 def bytes_model(dims, impl):
     """HBM bytes a decode step must read (K/V/codes/scales/digests/tables + q)."""
-    b, h, d, page = dims["batch"], dims["kv_heads"], dims["head_dim"], dims["page"]
-    q_bytes = b * dims["q_heads"] * d * 4
-    if impl == "dense_bf16":
-        return q_bytes + b * h * dims["context"] * d * 2 * 2
-    n = dims["context"] // page
-    ng = d // dims["value_group"]
-    lookup = b * n * 4 + b * h * n * d * 2 * 2            # page table + both digests
-    bf16 = b * h * dims["bf16_tokens"] * d * 2 * 2 + b * dims["bf16_tokens"]
-    fp8 = b * h * dims["fp8_tokens"] * (d * 2 + 8) + b * dims["fp8_tokens"]
-    k = dims["cold_pages"]
-    cold = b * h * k * (page * (d // 2) * 2 + page * ng * 2 * 2 + d * 2 * 2 + 4)
-    if impl.startswith("lookup"):
-        return q_bytes + lookup
-    if impl.startswith("decode"):
-        return q_bytes + bf16 + fp8 + cold
-    return q_bytes + lookup + bf16 + fp8 + cold
+    return op_bytes(dims, _IMPL_OPS[impl])
 
 
 # ----------------------------------------------------------------------------- steps
 
 
-def select(bound, center, table, k, bound_share=0.25):
-    """Cold pool pages to attend [B, Hkv, k] (like hisparse_jax.attention.select_pages):
-    a `bound_share` of the budget by Quest's bound (per query head when the bound is
-    [B, Hkv, G, N]), the rest by centre score among the pages not yet taken.
-    Duplicate picks of several heads are kept (same cost, same result on both sides)."""
-    if bound.ndim == 4:
-        g = bound.shape[2]
-        per_head = max(1, min(round(k * bound_share) // g, bound.shape[-1]))
-        top_b, pages_b = jax.lax.top_k(bound, per_head)
-        top_b = top_b.reshape(*top_b.shape[:2], -1)
-        pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
-    else:
-        top_b, pages_b = jax.lax.top_k(bound, max(1, round(k * bound_share)))
-    bi = jnp.arange(center.shape[0])[:, None, None]
-    hi = jnp.arange(center.shape[1])[None, :, None]
-    center = center.at[bi, hi, pages_b].set(-jnp.inf)
-    top_c, pages_c = jax.lax.top_k(center, max(k - pages_b.shape[-1], 0))
-    top = jnp.concatenate([top_b, top_c], axis=-1)
-    logical = jnp.concatenate([pages_b, pages_c], axis=-1)
-    pool = jnp.take_along_axis(table[:, None, :], logical, axis=2)
-    return jnp.where(top > -jnp.inf, pool, -1).astype(jnp.int32)
-
-
-DECODE_ARGS = ("q", "bf16_k", "bf16_v", "bf16_valid", "fp8_k", "fp8_v", "fp8_k_scale",
-               "fp8_v_scale", "fp8_valid", "int4_k", "int4_v", "int4_v_scale", "int4_v_zero",
-               "digest_center", "digest_radius")
-
-
 def make_steps(dims, interpret):
-    d = dims["head_dim"]
-    k = dims["cold_pages"]
-    sm = 1.0 / math.sqrt(d)
-    ops = {
-        "xla": (lookup_ref.page_scores,
-                lambda *a: decode_ref.sparse_decode(*a, sm_scale=sm)),
-        "pallas": (lambda *a: lookup_kernel.page_scores(*a, interpret=interpret),
-                   lambda *a: decode_kernel.sparse_decode(*a, sm_scale=sm, interpret=interpret)),
-    }
-
-    def sparse(impl):
-        scores, decode = ops[impl]
-
-        @jax.jit
-        def step(a):
-            bound, center = scores(a["q"], a["digest_center"], a["digest_radius"],
-                                   a["page_table"])
-            cold = select(bound, center, a["page_table"], k)
-            out, _ = decode(*(a[n] for n in DECODE_ARGS), cold)
-            return out
-        return step
-
-    @jax.jit
-    def lookup_pallas(a):
-        return ops["pallas"][0](a["q"], a["digest_center"], a["digest_radius"],
-                                a["page_table"])
-
-    @jax.jit
-    def decode_pallas(a):
-        return ops["pallas"][1](*(a[n] for n in DECODE_ARGS), a["cold_ids"])
-
-    from hisparse_jax.attention import dense_decode_attention
-
-    @jax.jit
-    def dense(a):
-        b = a["q"].shape[0]
-        q = a["q"].reshape(b, -1, d)
-        lengths = jnp.full((b,), a["dense_k"].shape[2], jnp.int32)
-        return dense_decode_attention(q, a["dense_k"], a["dense_v"], lengths)
-
-    return {"dense_bf16": dense, "sparse_xla": sparse("xla"), "sparse_pallas": sparse("pallas"),
-            "lookup_pallas": lookup_pallas, "decode_pallas": decode_pallas}
-
-
-def time_fn(fn, args, iters, warmup):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(args))
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        jax.block_until_ready(fn(args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(args))
-        ts.append(time.perf_counter() - t0)
-    ts = np.asarray(ts)
-    return out, {"compile_s": compile_s, "median_s": float(np.median(ts)),
-                     "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
-                     "iters": iters}
+    """The timed functions, by name (see the module docstring)."""
+    xla = make_ops(dims, "xla", interpret)
+    pallas = make_ops(dims, "pallas", interpret)
+    return {"dense_bf16": xla["dense"],
+            "sparse_xla": jax.jit(lambda a: xla["step"](a)[0]),
+            "sparse_pallas": jax.jit(lambda a: pallas["step"](a)[0]),
+            "lookup_pallas": pallas["lookup"],
+            "decode_pallas": pallas["sparse_decode"]}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -248,7 +109,7 @@ def checks(interpret, dry_run):
             arrays["page_table"])
     got = lookup_kernel.page_scores(*args, interpret=interpret)
     ref = jax.jit(lookup_ref.page_scores)(*args)
-    err = max(_rel_err(x, y) for x, y in zip(got, ref))
+    err = max(rel_err(x, y) for x, y in zip(got, ref))
     rows.append({"kind": "check", "kernel": "lookup.page_scores", "max_rel_err": err,
                      "ok": bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))})
     # sparse decode, with NaN in masked slots and unused pool page 0
@@ -270,7 +131,7 @@ def checks(interpret, dry_run):
         ro, rlse = jax.jit(lambda *x: decode_ref.sparse_decode(*x, sm_scale=1 / math.sqrt(d)))(
             *dargs)
         tol = {"bf16x3": 1e-4, "f32": 1e-4, "bf16": 3e-2}[prec]
-        err = max(_rel_err(o, ro), _rel_err(lse, rlse))
+        err = max(rel_err(o, ro), rel_err(lse, rlse))
         rows.append({"kind": "check", "kernel": f"sparse_decode[{prec}]", "max_rel_err": err,
                          "finite": bool(np.isfinite(np.asarray(o)).all()),
                          "ok": bool(err < tol and np.isfinite(np.asarray(o)).all())})
@@ -298,16 +159,6 @@ def _bits(x):
 
 def _same_inf(x, y):
     return bool(np.array_equal(np.isneginf(np.asarray(x)), np.isneginf(np.asarray(y))))
-
-
-def _rel_err(x, y):
-    x = np.asarray(x, np.float64)
-    y = np.asarray(y, np.float64)
-    fin = np.isfinite(y)
-    if not fin.any():
-        return 0.0 if np.array_equal(x, y) else float("inf")
-    scale = max(np.abs(y[fin]).max(), 1e-6)
-    return float(np.abs(x[fin] - y[fin]).max() / scale)
 
 
 # ----------------------------------------------------------------------------- main

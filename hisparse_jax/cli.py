@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 import numpy as np
@@ -88,6 +89,30 @@ def cmd_bench_attention(args):
                        f"{row['speedup']:.1f}x")], ("case", "dense ms", "hisparse ms", "speedup"))
 
 
+def cmd_bench_kernels(args):
+    from hisparse_jax import bench_kernels as bk
+    try:
+        plan = bk.plan(args.case, args.impl, args.ops, iters=args.iters, warmup=args.warmup)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    command = ["hisparse", "bench", "kernels", "--case", args.case, "--impl", args.impl,
+               "--ops", args.ops]
+    for flag, val in (("--iters", args.iters), ("--warmup", args.warmup), ("--json", args.json)):
+        if val is not None:
+            command += [flag, str(val)]
+    rows = bk.run(plan, command=" ".join(shlex.quote(c) for c in command), log=_log)
+    if args.json == "-":
+        for row in rows:
+            print(json.dumps(row))
+        return
+    if args.json:
+        with open(args.json, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        _log(f"wrote {len(rows)} rows to {args.json}")
+    _print_table(bk.table_rows(rows), bk.TABLE_HEADERS)
+
+
 def cmd_demo(args):
     from hisparse_jax.demo import run_demo
     run_demo(context=args.context, log=_log)
@@ -119,6 +144,18 @@ def build_parser():
     a.add_argument("--preset", default="default", choices=sorted(PRESETS))
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_bench_attention)
+    kn = bsub.add_parser("kernels", help="Pallas kernels vs XLA references: time, bytes/s, "
+                         "error (docs/kernels.md)")
+    kn.add_argument("--case", default="ci",
+                    help="ci, decode_{32k,128k,1m}_b{1,8}, a comma-separated list, or all")
+    kn.add_argument("--impl", default="pallas,xla", help="pallas, xla or pallas,xla")
+    kn.add_argument("--ops", default="lookup,sparse_decode,step,dense",
+                    help="subset of lookup,sparse_decode,step,dense")
+    kn.add_argument("--iters", type=int, default=None, help="timed calls per row (median)")
+    kn.add_argument("--warmup", type=int, default=None, help="untimed calls after compile")
+    kn.add_argument("--json", metavar="FILE", default=None,
+                    help="write JSON lines to FILE ('-' = stdout, no table)")
+    kn.set_defaults(func=cmd_bench_kernels)
     return p
 
 
