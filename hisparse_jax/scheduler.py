@@ -449,6 +449,8 @@ def main_bench_scheduler(args) -> list[dict]:
                            step_noise=args.step_noise, layer_noise=args.layer_noise,
                            kinds=tuple(args.traces.split(",")),
                            max_prefetch=tuple(int(x) for x in args.max_prefetch.split(",")),
+                           multiples=tuple(float(x) if "." in x else int(x)
+                                           for x in args.multiples.split(",")),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         for r in rows:
@@ -473,6 +475,8 @@ def add_scheduler_bench_parser(bench_subparsers):
     s.add_argument("--steps", type=int, default=256)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--traces", default="drift,retrieval", help="comma-separated trace kinds")
+    s.add_argument("--multiples", default="1,2,4",
+                   help="working sets to measure, in multiples of the selection budget")
     s.add_argument("--max-prefetch", default="32",
                    help="comma-separated prefetch limits per (sequence, KV head) per step "
                         "for the predictive policy (a sweep: 8,16,32,64)")

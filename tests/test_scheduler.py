@@ -99,3 +99,23 @@ def test_real_trace_small():
     pred = sc.evaluate(tr, 2 * K, sc.Policy())
     assert pred["hit_rate"] >= lru["hit_rate"]
     assert lru["hits"] + lru["misses"] == lru["selected"] == pred["selected"]
+
+
+def test_bench_cli_small(capsys):
+    import argparse
+    import json
+    parser = argparse.ArgumentParser(prog="hisparse")
+    bsub = parser.add_subparsers(dest="bench", required=True)
+    sc.add_scheduler_bench_parser(bsub)
+    args = parser.parse_args(["scheduler", "--context", "4096", "--steps", "24",
+                              "--traces", "retrieval", "--multiples", "2",
+                              "--max-prefetch", "8,32", "--json"])
+    rows = args.func(args)
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out == json.loads(json.dumps(rows))
+    assert {r["policy"] for r in rows} >= {"lru", "predictive", "predictive-pf8"}
+    assert {r["working_set_multiple"] for r in rows} == {2}
+    for r in rows:
+        assert r["hits"] + r["misses"] == r["selected"] > 0
+        assert r["h2d_bytes_per_step"] == r["fetched"] * r["host_to_device_bytes"] \
+            / max(1, r["fetched"]) / 24
