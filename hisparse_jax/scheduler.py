@@ -411,9 +411,39 @@ def evaluate(trace: Trace, working_set: int, policy: Policy, *, use_prev=True,
     return c
 
 
+def belady_hit_rate(selected: np.ndarray, working_set: int) -> float:
+    """Oracle bound for eviction alone (demand fetch, no prefetch): Belady's MIN, which
+    evicts the resident page whose next selection is farthest in the future.
+    selected [T, B, H, K] -> hit rate. Host-side numpy (a reference, not a policy)."""
+    T = selected.shape[0]
+    rows = selected.reshape(T, -1, selected.shape[-1])
+    hits = total = 0
+    for r in range(rows.shape[1]):
+        steps = [set(x[x >= 0].tolist()) for x in rows[:, r]]
+        uses: dict[int, list[int]] = {}
+        for t, st in enumerate(steps):
+            for p in st:
+                uses.setdefault(p, []).append(t)
+        ptr = {p: 0 for p in uses}
+        res: set[int] = set()
+        for t, st in enumerate(steps):
+            hits += len(st & res)
+            total += len(st)
+            for p in st:
+                ptr[p] += 1
+            res |= st
+            if len(res) > working_set:
+                nxt = {p: uses[p][ptr[p]] if ptr[p] < len(uses[p]) else T + 1
+                       for p in res - st}
+                extra = sorted(nxt, key=nxt.__getitem__, reverse=True)
+                res -= set(extra[:len(res) - working_set])
+    return hits / max(1, total)
+
+
 def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 4),
                     kinds=("drift", "retrieval"), seed: int = 0, step_noise: float = 0.3,
-                    layer_noise: float = 0.3, max_prefetch=(32,), log=None) -> list[dict]:
+                    layer_noise: float = 0.3, max_prefetch=(32,), oracle: bool = False,
+                    log=None) -> list[dict]:
     """Resident hit rate and host->device bytes per step, predictive policy vs LRU,
     at working sets of `multiples` x the selection budget, on real-selection traces."""
     log = log or (lambda *_: None)
@@ -434,6 +464,11 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
                     # eviction by recency-weighted frequency alone, no prediction
                     ("frequency-only", Policy(max_prefetch=0), False, False)]
         for m in multiples:
+            if oracle:
+                rows.append({"case": f"scheduler_{kind}_{m}x", "trace": kind,
+                             "policy": "belady-oracle-no-prefetch", "working_set_multiple": m,
+                             "working_set_pages": int(m * K), "budget_pages": K, **tr.info,
+                             "hit_rate": belady_hit_rate(tr.selected, int(m * K))})
             for name, pol, up, uc in variants:
                 c = evaluate(tr, int(m * K), pol, use_prev=up, use_cand=uc)
                 rows.append({"case": f"scheduler_{kind}_{m}x", "trace": kind, "policy": name,
@@ -449,6 +484,7 @@ def main_bench_scheduler(args) -> list[dict]:
                            step_noise=args.step_noise, layer_noise=args.layer_noise,
                            kinds=tuple(args.traces.split(",")),
                            max_prefetch=tuple(int(x) for x in args.max_prefetch.split(",")),
+                           oracle=args.oracle,
                            multiples=tuple(float(x) if "." in x else int(x)
                                            for x in args.multiples.split(",")),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -458,8 +494,8 @@ def main_bench_scheduler(args) -> list[dict]:
     else:
         hdr = ("trace", "W", "policy", "hit rate", "MiB/step (h2d)", "prefetched", "evictions")
         out = [(r["trace"], f"{r['working_set_multiple']}x", r["policy"], f"{r['hit_rate']:.3f}",
-                f"{r['h2d_bytes_per_step'] / 2**20:.2f}", r["prefetched"], r["evictions"])
-               for r in rows]
+                f"{r['h2d_bytes_per_step'] / 2**20:.2f}" if "fetched" in r else "-",
+                r.get("prefetched", "-"), r.get("evictions", "-")) for r in rows]
         w = [max(len(str(h)), *(len(str(o[i])) for o in out)) for i, h in enumerate(hdr)]
         print("  ".join(str(h).ljust(x) for h, x in zip(hdr, w)))
         for o in out:
@@ -475,6 +511,8 @@ def add_scheduler_bench_parser(bench_subparsers):
     s.add_argument("--steps", type=int, default=256)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--traces", default="drift,retrieval", help="comma-separated trace kinds")
+    s.add_argument("--oracle", action="store_true",
+                   help="also Belady's MIN (future-knowing eviction, no prefetch) as a bound")
     s.add_argument("--multiples", default="1,2,4",
                    help="working sets to measure, in multiples of the selection budget")
     s.add_argument("--max-prefetch", default="32",

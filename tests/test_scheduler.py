@@ -119,3 +119,12 @@ def test_bench_cli_small(capsys):
         assert r["hits"] + r["misses"] == r["selected"] > 0
         assert r["h2d_bytes_per_step"] == r["fetched"] * r["host_to_device_bytes"] \
             / max(1, r["fetched"]) / 24
+
+
+def test_belady_bound():
+    sel, _ = sc.synthetic_trace(steps=40, num_pages=300, k=16, heads=2, seed=5)
+    s, _ = sc.run_trace(sc.init_state(1, 2, 32, sc.LRU), jnp.asarray(sel))
+    lru = sc.counters(s)["hit_rate"]
+    assert sc.belady_hit_rate(sel, 32) >= lru
+    s, _ = sc.run_trace(sc.init_state(1, 2, 16, sc.LRU), jnp.asarray(sel))
+    assert sc.belady_hit_rate(sel, 16) == pytest.approx(sc.counters(s)["hit_rate"])
