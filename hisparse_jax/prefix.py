@@ -66,11 +66,15 @@ class Entry:
 class PrefixIndex:
     """hash -> Entry. Counts: hits, misses, collisions, evictions."""
 
-    def __init__(self, page_size: int, hash_fn: Callable = mmh3_page_hash):
+    def __init__(self, page_size: int, hash_fn: Callable = mmh3_page_hash,
+                 allocate: Callable[[int], Sequence] | None = None):
+        """allocate(n) -> n pool page entries, used by prewarm when no pages are given
+        (the cache passes its free-page allocator)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.hash_fn = hash_fn
+        self.allocate = allocate
         self.entries: dict[int, Entry] = {}
         self.contexts: dict[str, list[int]] = {}   # prewarmed context id -> page hashes
         self.owner: dict[int, int] = {}            # pool page id -> hash of its entry
@@ -166,11 +170,15 @@ class PrefixIndex:
         for h, n in need.items():
             self.entries[h].refcount -= n
 
-    def prewarm(self, context_id: str, tokens, pool_pages: Sequence) -> list[int]:
+    def prewarm(self, context_id: str, tokens, pool_pages: Sequence | None = None) -> list[int]:
         """Index a long document once and pin it under `context_id` (never evicted
-        until `unpin(context_id)`)."""
+        until `unpin(context_id)`). Without pool_pages, pages come from `allocate`."""
         if context_id in self.contexts:
             raise ValueError(f"context {context_id!r} is already prewarmed")
+        if pool_pages is None:
+            if self.allocate is None:
+                raise ValueError("prewarm needs pool_pages or an index built with allocate=")
+            pool_pages = self.allocate(len(self.hashes(tokens)))
         hs = self.insert(tokens, pool_pages)
         for h in hs:
             self.entries[h].pinned = True

@@ -52,6 +52,12 @@ def test_prewarm_pinned_until_unpinned():
     assert sorted(ix.evict()) == [0, 1, 2, 3]
     with pytest.raises(KeyError):
         ix.unpin("doc")
+    free = iter(range(100, 200))
+    ix2 = PrefixIndex(PG, allocate=lambda n: [next(free) for _ in range(n)])
+    ix2.prewarm("d", list(range(9)))  # two full pages, a partial one
+    assert ix2.live_pages() == {100, 101} and ix2.match(list(range(9)))[0] == 2
+    with pytest.raises(ValueError):
+        PrefixIndex(PG).prewarm("d", list(range(8)))
 
 
 def test_forced_collision_detected_and_not_reused():
