@@ -57,7 +57,11 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
                                 state.digest_radius, state.page_table)
     k = min(cfg.budget_pages, cfg.max_pages)
     g = cfg.gqa_group
-    per_head = min(round(k * cfg.bound_share) // g, bound.shape[-1])  # bound pages per query head
+    # Bound pages per query head: at least one when bound_share > 0, never more than k.
+    per_head = round(k * cfg.bound_share) // g
+    if cfg.bound_share > 0:
+        per_head = max(1, per_head)
+    per_head = min(per_head, k // g, bound.shape[-1])
     top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
     top_b = top_b.reshape(*top_b.shape[:2], -1)
     pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
@@ -86,6 +90,10 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     return logical, jnp.where(ok, pool, -1).astype(jnp.int32)
 
 
+COLD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero", "digest_center",
+               "digest_radius")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: jax.Array, *,
                  implementation=None) -> jax.Array:
@@ -94,15 +102,24 @@ def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: 
     q [B, Hq, D]; logical [B, Hkv, K] logical page ids (-1 = none; pages that are
     not cold are ignored) -> out [B, Hq, D] float32.
     """
-    _, sparse_decode = _ops(implementation)
     pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
     pool = jnp.where(logical >= 0, pool, -1)
+    cold = tuple(getattr(state, f) for f in COLD_FIELDS)
+    return attend_cold_slots(cfg, state, q, cold, pool, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold: tuple,
+                      slots: jax.Array, *, implementation=None) -> jax.Array:
+    """Decode attention whose cold pages are read from `cold` (arrays laid out like
+    the state's pool, COLD_FIELDS order) at `slots` [B, Hkv, K] (-1 = none): the
+    state's own pool, or an offload working set."""
+    _, sparse_decode = _ops(implementation)
     bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
     out, _ = sparse_decode(
         group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
         state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
-        state.int4_k, state.int4_v, state.int4_v_scale, state.int4_v_zero,
-        state.digest_center, state.digest_radius, pool, sm_scale=1.0 / math.sqrt(cfg.head_dim))
+        *cold, slots, sm_scale=1.0 / math.sqrt(cfg.head_dim))
     return out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
 
 

@@ -107,18 +107,19 @@ def num_cold_pages(cfg: HiSparseConfig, length):
 
 def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
     """Encode whole pages [n, Hkv, page, D] (f32) into pool pages `pool_ids` [n]
-    (entries >= pool size are dropped)."""
+    (entries >= pool size are dropped). Also returns the encoded codes/scales."""
     kq, center, radius = encode_cold_keys(k_pages)
     vq, vs, vz = encode_cold_values(v_pages, cfg.value_group)
 
     def put(pool, val):  # val [n, Hkv, ...] -> pool [Hkv, P, ...]
         return pool.at[:, pool_ids].set(jnp.swapaxes(val, 0, 1).astype(pool.dtype), mode="drop")
 
-    return state.replace(
+    state = state.replace(
         int4_k=put(state.int4_k, kq), int4_v=put(state.int4_v, vq),
         int4_v_scale=put(state.int4_v_scale, vs), int4_v_zero=put(state.int4_v_zero, vz),
         digest_center=put(state.digest_center, center),
         digest_radius=put(state.digest_radius, radius))
+    return state, dict(int4_k=kq, int4_v=vq, int4_v_scale=vs, int4_v_zero=vz)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -159,7 +160,7 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
     is_cold = (j >= 0) & (j < n_cold)
     pool_ids = jnp.where(is_cold, state.free_pages[jnp.clip(state.num_free - 1 - j, 0)],
                          cfg.pool_pages)
-    state = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids)
+    state, _ = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids)
     table_row = jnp.full((cfg.max_pages,), -1, jnp.int32)
     table_row = table_row.at[jnp.arange(npg)].set(
         jnp.where(is_cold, pool_ids, -1).astype(jnp.int32), mode="drop")
@@ -184,6 +185,22 @@ def append_token(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Ar
     and the oldest warm page to cold (int4 encode of the fp8 data, into a pool page
     popped from the free stack). The caller checks that the pool has room.
     """
+    return _append_token(cfg, state, k, v, active)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def append_token_offload(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Array,
+                         active: jax.Array):
+    """`append_token` for a state whose int4 pool lives elsewhere (offload mode):
+    also returns the pages that became cold, for the caller to store.
+
+    returns (state, pool_ids [B] int32 (>= pool size where no page became cold),
+             {int4_k, int4_v, int4_v_scale, int4_v_zero}: [B, Hkv, page, ...])
+    """
+    return _append_token(cfg, state, k, v, active)
+
+
+def _append_token(cfg, state, k, v, active):
     pg, s, h, w = cfg.page_size, cfg.sink_pages, cfg.hot_pages, cfg.warm_pages
     nb = state.seq_lens.shape[0]
     b_idx = jnp.arange(nb)
@@ -212,7 +229,7 @@ def append_token(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Ar
     rank = jnp.cumsum(leave_warm) - 1
     pool_ids = jnp.where(leave_warm, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
                          cfg.pool_pages)
-    state = _encode_pages_to_pool(cfg, state, old_k, old_v, pool_ids)
+    state, new_cold = _encode_pages_to_pool(cfg, state, old_k, old_v, pool_ids)
     cold_page = page - h - w
     table = state.page_table.at[b_idx, jnp.where(leave_warm, cold_page, cfg.max_pages)].set(
         pool_ids, mode="drop")
@@ -238,9 +255,10 @@ def append_token(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Ar
     slot = jnp.where(active, slot, state.bf16_k.shape[2])  # inactive: dropped
     bf16_k = state.bf16_k.at[b_idx, :, slot].set(k.astype(jnp.bfloat16), mode="drop")
     bf16_v = state.bf16_v.at[b_idx, :, slot].set(v.astype(jnp.bfloat16), mode="drop")
-    return state.replace(bf16_k=bf16_k, bf16_v=bf16_v, page_table=table,
-                         seq_lens=state.seq_lens + active.astype(jnp.int32),
-                         num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
+    state = state.replace(bf16_k=bf16_k, bf16_v=bf16_v, page_table=table,
+                          seq_lens=state.seq_lens + active.astype(jnp.int32),
+                          num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
+    return state, pool_ids.astype(jnp.int32), new_cold
 
 
 # ---------------------------------------------------------------- release

@@ -1,0 +1,135 @@
+"""Offload mode: the cold pool's int4 codes and value scales live in host memory.
+
+The device keeps everything else (digests, sink/hot/warm tiers, page tables) and
+a working set of W cold pages per (sequence, KV head). Each decode step selects
+pages from the digests on the device, the scheduler (`scheduler.plan`) names the
+pages to copy in, the host copies exactly those (and nothing else crosses the
+bus), and attention reads the working set. The bytes are the same ones the
+all-resident cache would read, so the outputs are equal bit for bit.
+
+Host memory is a numpy array here (a device_put of a host gather is the copy);
+on a GPU the same path is a host->device transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax import scheduler, state as st
+from hisparse_jax.attention import attend_cold_slots, select_pages
+from hisparse_jax.cache import HiSparseCache
+
+HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_pages(ws, heads, slots, pages):
+    """Write fetched pages into working-set slots: ws [Hkv, B*W, ...]."""
+    return {f: ws[f].at[heads, slots].set(pages[f], mode="drop") for f in ws}
+
+
+@jax.jit
+def _slots_of(resident, logical):
+    """Slot (b*W + w) of each selected logical page, -1 where none. resident
+    [B, Hkv, W], logical [B, Hkv, K] (every selected page is resident after apply)."""
+    b, _, w = resident.shape
+    match = (resident[:, :, None, :] == logical[..., None]) & (logical[..., None] >= 0)
+    slot = jnp.argmax(match, axis=-1)
+    base = (jnp.arange(b) * w)[:, None, None]
+    return jnp.where(jnp.any(match, axis=-1), base + slot, -1).astype(jnp.int32)
+
+
+class OffloadedCache:
+    """A filled HiSparseCache with its cold codes moved to host memory.
+
+    Supports decode appends and attention; prefill and release stay on the
+    all-resident HiSparseCache (build, then offload).
+    """
+
+    def __init__(self, cache: HiSparseCache, working_set: int | None = None,
+                 policy: scheduler.Policy = scheduler.Policy()):
+        cfg = cache.cfg
+        self.cfg = cfg
+        self.implementation = cache.implementation
+        self.checks = cache  # host-side mirrors and input checks
+        w = working_set or 2 * cfg.budget_pages
+        if w < cfg.budget_pages:
+            raise ValueError(f"working_set={w} must hold the selection budget "
+                             f"({cfg.budget_pages} pages)")
+        self.working_set = w
+        state = cache.state
+        self.host = {f: np.array(getattr(state, f)) for f in HOST_FIELDS}
+        # The device state keeps no cold codes: empty arrays of the right rank.
+        self.state = state.replace(**{
+            f: jnp.zeros((cfg.num_kv_heads, 0) + getattr(state, f).shape[2:],
+                         getattr(state, f).dtype) for f in HOST_FIELDS})
+        cache.state = None  # the handle gave its buffers away
+        b = cfg.max_seqs
+        self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
+                                self.host[f].dtype) for f in HOST_FIELDS}
+        self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy)
+        self.page_table = np.array(state.page_table)  # host mirror for copy addresses
+        self.host_to_device_bytes = 0
+
+    def append(self, k, v, active=None):
+        c = self.cfg
+        self.checks._check_kv("k", k, (c.max_seqs, c.num_kv_heads, c.head_dim))
+        self.checks._check_kv("v", v, (c.max_seqs, c.num_kv_heads, c.head_dim))
+        active = (np.ones(c.max_seqs, bool) if active is None
+                  else np.asarray(active, bool).reshape(c.max_seqs))
+        after = self.checks.seq_lens + active
+        need = self.checks._check_room(after, self.checks.seq_lens)
+        self.state, pool_ids, cold = st.append_token_offload(
+            c, self.state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(active))
+        pool_ids = np.asarray(pool_ids)
+        made = np.flatnonzero(pool_ids < c.pool_pages)
+        for f in HOST_FIELDS:  # device -> host: the new cold pages
+            if made.size:
+                self.host[f][:, pool_ids[made]] = np.swapaxes(np.asarray(cold[f])[made], 0, 1)
+        self.page_table = np.array(self.state.page_table)
+        self.checks.seq_lens = after
+        self.checks.num_free -= need
+
+    def attend(self, q, *, return_selection=False):
+        c = self.cfg
+        self.checks._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
+        q = jnp.asarray(q)
+        logical, _ = select_pages(c, self.state, q, implementation=self.implementation)
+        plan = scheduler.plan(self.sched, logical)
+        self._copy_in(np.asarray(plan.fetch))
+        self.sched = scheduler.apply(self.sched, plan)
+        slots = _slots_of(self.sched.resident, logical)
+        digest = self._working_set_digests()
+        cold = tuple(self.ws[f] for f in HOST_FIELDS) + digest
+        out = attend_cold_slots(c, self.state, q, cold, slots,
+                                implementation=self.implementation)
+        return (out, logical) if return_selection else out
+
+    def _copy_in(self, fetch):
+        """Host -> device: exactly the pages the plan fetches ([B, Hkv, W] logical)."""
+        b, h, w = np.nonzero(fetch >= 0)
+        if not b.size:
+            return
+        pool = self.page_table[b, fetch[b, h, w]]
+        pages = {f: jnp.asarray(self.host[f][h, pool]) for f in HOST_FIELDS}
+        self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
+        self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
+                             pages)
+
+    def _working_set_digests(self):
+        """Digest rows of the resident pages, laid out like the working set (device
+        to device: the digests never leave the device)."""
+        res = self.sched.resident  # [B, Hkv, W] logical
+        pool = jnp.take_along_axis(self.state.page_table[:, None, :], jnp.maximum(res, 0), axis=2)
+        pool = jnp.where(res >= 0, pool, 0).transpose(1, 0, 2).reshape(self.cfg.num_kv_heads, -1)
+        heads = jnp.arange(self.cfg.num_kv_heads)[:, None]
+        return (self.state.digest_center[heads, pool], self.state.digest_radius[heads, pool])
+
+    def counters(self) -> dict:
+        out = scheduler.counters(self.sched, self.cfg)
+        out["host_to_device_bytes_copied"] = self.host_to_device_bytes
+        return out
