@@ -156,6 +156,11 @@ def build_parser():
     kn.add_argument("--json", metavar="FILE", default=None,
                     help="write JSON lines to FILE ('-' = stdout, no table)")
     kn.set_defaults(func=cmd_bench_kernels)
+
+    from hisparse_jax.capacity import add_capacity_parser
+    from hisparse_jax.scheduler import add_scheduler_bench_parser
+    add_scheduler_bench_parser(bsub)
+    add_capacity_parser(sub)
     return p
 
 

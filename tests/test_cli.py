@@ -82,3 +82,16 @@ def test_demo_small(capsys):
     main(["demo", "--context", "8192"])
     out = capsys.readouterr().out
     assert "retrieval" in out and "capacity at 1M tokens" in out and "faster" in out
+
+
+def test_capacity_json(capsys):
+    main(["capacity", "--model", "llama3-8b", "--context", "1048576", "--device-memory", "141GB",
+          "--json"])
+    row = json.loads(capsys.readouterr().out)
+    text = json.dumps(row)
+    assert "capacity" in text
+
+
+def test_capacity_bad_size():
+    with pytest.raises(SystemExit):
+        main(["capacity", "--device-memory", "lots"])
