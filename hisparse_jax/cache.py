@@ -2,8 +2,13 @@
 
 The pure functions in `state.py` trust their inputs; this class checks every
 input before any device work, so a bad call raises and changes nothing. It
-mirrors the sequence lengths and the free-page count on the host (both are
-determined by the calls made), so checks need no device round trip.
+mirrors the sequence lengths and the free-page count on the host, so checks
+need no device round trip.
+
+With a `PrefixIndex`, prefill reuses the cold pages of an equal, verified
+prefix (by reference, no copy), registers its own, and `prewarm` pins a
+document's pages for later sequences. Unpinned prefixes nobody uses are
+evicted first when the pool runs short.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax.numpy as jnp
 from hisparse_jax import state as st
 from hisparse_jax.attention import decode_attention
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.prefix import PrefixIndex
 
 FLOAT_DTYPES = (np.float16, np.float32, jnp.bfloat16)
 
@@ -24,12 +30,17 @@ class CacheFullError(RuntimeError):
 
 
 class HiSparseCache:
-    def __init__(self, cfg: HiSparseConfig, implementation=None):
+    def __init__(self, cfg: HiSparseConfig, implementation=None,
+                 prefix: PrefixIndex | None = None):
+        if prefix is not None and prefix.page_size != cfg.page_size:
+            raise ValueError(f"prefix index page_size {prefix.page_size} != {cfg.page_size}")
         self.cfg = cfg
         self.implementation = implementation
+        self.prefix = prefix
         self.state = st.init_state(cfg)
         self.seq_lens = np.zeros(cfg.max_seqs, np.int64)
         self.num_free = cfg.pool_pages
+        self.seq_hashes: dict[int, list] = {}  # prefix entries each sequence holds
 
     # ------------------------------------------------------------ checks
     def _check_seq(self, seq: int):
@@ -46,16 +57,13 @@ class HiSparseCache:
         if np.any(lengths_after > self.cfg.max_context):
             raise ValueError(f"context {int(lengths_after.max())} exceeds max_context="
                              f"{self.cfg.max_context}")
-        need = int(np.sum(st.num_cold_pages(self.cfg, lengths_after)
+        return int(np.sum(st.num_cold_pages(self.cfg, lengths_after)
                           - st.num_cold_pages(self.cfg, lengths_before)))
-        if need > self.num_free:
-            raise CacheFullError(f"cold page pool full: need {need} pages, {self.num_free} free "
-                                 f"of {self.cfg.pool_pages}")
-        return need
 
     # ------------------------------------------------------------ updates
-    def prefill(self, seq: int, k, v):
-        """Fill empty sequence `seq` with k, v [T, Hkv, D]."""
+    def prefill(self, seq: int, k, v, tokens=None):
+        """Fill empty sequence `seq` with k, v [T, Hkv, D]. With a prefix index and
+        the T token ids, cold pages of an indexed equal prefix are shared."""
         self._check_seq(seq)
         c = self.cfg
         k, v = jnp.asarray(k), jnp.asarray(v)
@@ -69,16 +77,85 @@ class HiSparseCache:
         if self.seq_lens[seq]:
             raise ValueError(f"sequence {seq} already holds {self.seq_lens[seq]} tokens; "
                              "prefill fills an empty sequence (use append for more)")
+        if tokens is not None:
+            tokens = np.asarray(tokens, np.int64).reshape(-1)
+            if tokens.shape[0] != t:
+                raise ValueError(f"tokens has {tokens.shape[0]} ids for {t} positions")
         after = self.seq_lens.copy()
         after[seq] = t
-        need = self._check_room(after, self.seq_lens)
+        if after[seq] > c.max_context:
+            raise ValueError(f"context {t} exceeds max_context={c.max_context}")
+        npg = -(-t // c.page_size)
+        shared = np.full(npg, -1, np.int32)
+        matched = []
+        if self.prefix is not None and tokens is not None:
+            n_cold = int(st.num_cold_pages(c, t))
+            n, pages = self.prefix.match(tokens)
+            matched = self.prefix.hashes(tokens)[:n]
+            for p in range(c.sink_pages, min(n, c.sink_pages + n_cold)):
+                if pages[p]:
+                    shared[p] = pages[p][0]
+            self.prefix.acquire(matched)  # not evictable while we make room
+        need = int(st.num_cold_pages(c, t)) - int(np.sum(shared >= 0))
+        try:
+            self._make_room(need)
+        finally:
+            if matched:
+                self.prefix.release(matched)
         pad = -t % c.page_size
         if pad:
             k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
             v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
-        self.state = st.prefill(c, self.state, jnp.int32(seq), k, v, jnp.int32(t))
+        self.state = st.prefill(c, self.state, jnp.int32(seq), k, v, jnp.int32(t),
+                                jnp.asarray(shared))
         self.seq_lens[seq] = t
         self.num_free -= need
+        if self.prefix is not None and tokens is not None:
+            self._index(seq, tokens)
+
+    def _index(self, seq, tokens):
+        """Register the sequence's full pages in the prefix index (the index takes a
+        reference on each cold page it newly holds) and hold them while it lives."""
+        c = self.cfg
+        row = np.asarray(self.state.page_table[seq])
+        full = len(tokens) // c.page_size
+        pool_pages = [(int(row[p]),) if row[p] >= 0 else () for p in range(full)]
+        before = self.prefix.live_pages()
+        hashes = self.prefix.insert(tokens[:full * c.page_size], pool_pages)
+        new = sorted(self.prefix.live_pages() - before)
+        if new:
+            self.state = st.retain_pages(c, self.state, jnp.asarray(new, jnp.int32))
+        self.prefix.acquire(hashes)
+        self.seq_hashes[seq] = hashes
+
+    def _make_room(self, need):
+        """Raise CacheFullError unless `need` pages are free, after evicting unused,
+        unpinned prefixes (oldest first; referenced ones never go)."""
+        while need > self.num_free and self.prefix is not None \
+                and self.prefix.eviction_order():
+            freed = self.prefix.evict(1)
+            if freed:
+                self.state = st.drop_pages(self.cfg, self.state, jnp.asarray(freed, jnp.int32))
+                self.num_free = int(self.state.num_free)
+        if need > self.num_free:
+            raise CacheFullError(f"cold page pool full: need {need} pages, {self.num_free} free "
+                                 f"of {self.cfg.pool_pages}")
+
+    def prewarm(self, context_id: str, tokens, k, v, seq: int | None = None):
+        """Build a long document's cache once and pin its pages in the prefix index;
+        later prefills that start with `tokens` reuse them. Uses an empty sequence
+        slot (the first one by default) and frees it again."""
+        if self.prefix is None:
+            raise ValueError("prewarm needs a cache built with a PrefixIndex")
+        if seq is None:
+            empty = np.flatnonzero(self.seq_lens == 0)
+            if not empty.size:
+                raise CacheFullError("prewarm needs an empty sequence slot")
+            seq = int(empty[0])
+        self.prefill(seq, k, v, tokens)
+        self.prefix.prewarm(context_id, tokens[:len(self.seq_hashes[seq]) * self.cfg.page_size],
+                            [self.prefix.entries[h].pages for h in self.seq_hashes[seq]])
+        self.release(seq)
 
     def append(self, k, v, active=None):
         """Append one token to each active sequence: k, v [B, Hkv, D]."""
@@ -89,17 +166,20 @@ class HiSparseCache:
                   else np.asarray(active, bool).reshape(c.max_seqs))
         after = self.seq_lens + active
         need = self._check_room(after, self.seq_lens)
+        self._make_room(need)
         self.state = st.append_token(c, self.state, jnp.asarray(k), jnp.asarray(v),
                                      jnp.asarray(active))
         self.seq_lens = after
         self.num_free -= need
 
     def release(self, seq: int):
+        """Empty sequence `seq`; its pages are freed unless shared or indexed."""
         self._check_seq(seq)
-        freed = int(st.num_cold_pages(self.cfg, self.seq_lens[seq]))
         self.state = st.release(self.cfg, self.state, jnp.int32(seq))
+        if self.prefix is not None and seq in self.seq_hashes:
+            self.prefix.release(self.seq_hashes.pop(seq))
         self.seq_lens[seq] = 0
-        self.num_free += freed
+        self.num_free = int(self.state.num_free)  # shared pages make this data dependent
 
     # ------------------------------------------------------------ reads
     def attend(self, q, *, return_selection=False):

@@ -23,7 +23,7 @@ class Bytes:
     fp8_tier: int       # warm K/V + scales
     int4_tier: int      # cold K/V codes + value scales/zeros
     digests: int        # per-page key range (centre, radius)
-    page_tables: int    # page table, lengths, free-page stack
+    page_tables: int    # page table, lengths, free-page stack, page refcounts
     host: int = 0       # bytes kept off the device (offload mode)
 
     @property
@@ -55,7 +55,7 @@ def state_bytes(cfg: HiSparseConfig) -> Bytes:
         fp8_tier=2 * b * h * tw * (d * FP8 + F32),
         int4_tier=cfg.pool_pages * codes,
         digests=cfg.pool_pages * digest,
-        page_tables=b * cfg.max_pages * I32 + b * I32 + cfg.pool_pages * I32 + I32)
+        page_tables=b * cfg.max_pages * I32 + b * I32 + 2 * cfg.pool_pages * I32 + I32)
 
 
 def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
@@ -69,7 +69,7 @@ def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
     n_cold = int(num_cold_pages(cfg, context))
     codes, digest = per_page_cold_bytes(cfg)
     return dataclasses.replace(full, int4_tier=n_cold * codes, digests=n_cold * digest,
-                               page_tables=one.max_pages * I32 + I32 + n_cold * I32)
+                               page_tables=one.max_pages * I32 + I32 + 2 * n_cold * I32)
 
 
 def bf16_paged_bytes(cfg: HiSparseConfig, context: int) -> int:

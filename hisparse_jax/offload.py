@@ -53,6 +53,8 @@ class OffloadedCache:
     def __init__(self, cache: HiSparseCache, working_set: int | None = None,
                  policy: scheduler.Policy = scheduler.Policy()):
         cfg = cache.cfg
+        if cache.prefix is not None:
+            raise ValueError("offload of a cache with a prefix index is not supported yet")
         self.cfg = cfg
         self.implementation = cache.implementation
         self.checks = cache  # host-side mirrors and input checks
@@ -83,6 +85,7 @@ class OffloadedCache:
                   else np.asarray(active, bool).reshape(c.max_seqs))
         after = self.checks.seq_lens + active
         need = self.checks._check_room(after, self.checks.seq_lens)
+        self.checks._make_room(need)  # raises CacheFullError, changes nothing
         self.state, pool_ids, cold = st.append_token_offload(
             c, self.state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(active))
         pool_ids = np.asarray(pool_ids)

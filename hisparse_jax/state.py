@@ -44,6 +44,8 @@ class CacheState:
     seq_lens: jax.Array      # [B] int32
     free_pages: jax.Array    # [P] int32: stack of free pool pages, top at num_free - 1
     num_free: jax.Array      # [] int32
+    refcount: jax.Array      # [P] int32: page tables pointing at the page + 1 if a prefix
+                             #   index holds it; a page is freed when this reaches 0
 
 
 def init_state(cfg: HiSparseConfig) -> CacheState:
@@ -64,6 +66,7 @@ def init_state(cfg: HiSparseConfig) -> CacheState:
         seq_lens=z((b,), jnp.int32),
         free_pages=jnp.arange(p - 1, -1, -1, dtype=jnp.int32),  # page 0 popped first
         num_free=jnp.array(p, jnp.int32),
+        refcount=z((p,), jnp.int32),
     )
 
 
@@ -124,13 +127,15 @@ def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array,
-            v: jax.Array, length: jax.Array) -> CacheState:
+            v: jax.Array, length: jax.Array, shared: jax.Array | None = None) -> CacheState:
     """Fill the empty sequence `seq` with the first `length` tokens of k, v.
 
     k, v: [T, Hkv, D] with T a multiple of page_size (padding after `length` is
     ignored, whatever it holds). Every page goes straight to its final tier,
-    encoded from the bf16 source. The caller (HiSparseCache) checks the inputs and
-    the pool; this function trusts them.
+    encoded from the bf16 source. shared [T/page] int32: a pool page already
+    holding that logical page (an equal prefix), -1 = none; a shared cold page is
+    referenced, not copied. The caller (HiSparseCache) checks the inputs and the
+    pool; this function trusts them.
     """
     pg, s = cfg.page_size, cfg.sink_pages
     t = k.shape[0]
@@ -156,22 +161,28 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
     fv, fvs = encode_fp8(gather(flat_v, fp8_pos))
 
     n_cold = num_cold_pages(cfg, length)
-    j = jnp.arange(npg) - s  # rank of page among cold pages
+    j = jnp.arange(npg) - s
     is_cold = (j >= 0) & (j < n_cold)
-    pool_ids = jnp.where(is_cold, state.free_pages[jnp.clip(state.num_free - 1 - j, 0)],
+    if shared is None:
+        shared = jnp.full((npg,), -1, jnp.int32)
+    is_shared = is_cold & (shared >= 0)
+    is_new = is_cold & ~is_shared
+    rank = jnp.cumsum(is_new) - 1  # rank of page among newly stored cold pages
+    pool_ids = jnp.where(is_new, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
                          cfg.pool_pages)
     state, _ = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids)
-    table_row = jnp.full((cfg.max_pages,), -1, jnp.int32)
-    table_row = table_row.at[jnp.arange(npg)].set(
-        jnp.where(is_cold, pool_ids, -1).astype(jnp.int32), mode="drop")
+    row = jnp.where(is_shared, shared, jnp.where(is_new, pool_ids, -1)).astype(jnp.int32)
+    table_row = jnp.full((cfg.max_pages,), -1, jnp.int32).at[jnp.arange(npg)].set(
+        row, mode="drop")
+    refcount = state.refcount.at[jnp.where(row >= 0, row, cfg.pool_pages)].add(1, mode="drop")
     return state.replace(
         bf16_k=state.bf16_k.at[seq].set(bf16_k), bf16_v=state.bf16_v.at[seq].set(bf16_v),
         fp8_k=state.fp8_k.at[seq].set(fk), fp8_v=state.fp8_v.at[seq].set(fv),
         fp8_k_scale=state.fp8_k_scale.at[seq].set(fks),
         fp8_v_scale=state.fp8_v_scale.at[seq].set(fvs),
         page_table=state.page_table.at[seq].set(table_row),
-        seq_lens=state.seq_lens.at[seq].set(length),
-        num_free=state.num_free - n_cold)
+        seq_lens=state.seq_lens.at[seq].set(length), refcount=refcount,
+        num_free=state.num_free - jnp.sum(is_new).astype(jnp.int32))
 
 
 # ---------------------------------------------------------------- decode append
@@ -256,6 +267,7 @@ def _append_token(cfg, state, k, v, active):
     bf16_k = state.bf16_k.at[b_idx, :, slot].set(k.astype(jnp.bfloat16), mode="drop")
     bf16_v = state.bf16_v.at[b_idx, :, slot].set(v.astype(jnp.bfloat16), mode="drop")
     state = state.replace(bf16_k=bf16_k, bf16_v=bf16_v, page_table=table,
+                          refcount=state.refcount.at[pool_ids].set(1, mode="drop"),
                           seq_lens=state.seq_lens + active.astype(jnp.int32),
                           num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
     return state, pool_ids.astype(jnp.int32), new_cold
@@ -263,14 +275,36 @@ def _append_token(cfg, state, k, v, active):
 
 # ---------------------------------------------------------------- release
 
+def _unref(cfg, state, pages):
+    """Drop one reference to each pool page in `pages` [n] (-1 = skip; no repeats);
+    pages left with none go back on the free stack."""
+    idx = jnp.where(pages >= 0, pages, cfg.pool_pages)
+    refcount = state.refcount.at[idx].add(-1, mode="drop")
+    freed = (pages >= 0) & (refcount[jnp.maximum(pages, 0)] == 0)
+    rank = jnp.cumsum(freed) - 1
+    dest = jnp.where(freed, state.num_free + rank, cfg.pool_pages)
+    return state.replace(
+        refcount=refcount, free_pages=state.free_pages.at[dest].set(pages, mode="drop"),
+        num_free=state.num_free + jnp.sum(freed).astype(jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def release(cfg: HiSparseConfig, state: CacheState, seq: jax.Array) -> CacheState:
-    """Empty sequence `seq` and push its pool pages back on the free stack."""
-    row = state.page_table[seq]
-    owned = row >= 0
-    rank = jnp.cumsum(owned) - 1
-    dest = jnp.where(owned, state.num_free + rank, cfg.pool_pages)
-    free_pages = state.free_pages.at[dest].set(row, mode="drop")
-    return state.replace(
-        free_pages=free_pages, num_free=state.num_free + jnp.sum(owned).astype(jnp.int32),
-        page_table=state.page_table.at[seq].set(-1), seq_lens=state.seq_lens.at[seq].set(0))
+    """Empty sequence `seq`: drop its page references (pages nobody else holds are
+    freed)."""
+    state = _unref(cfg, state, state.page_table[seq])
+    return state.replace(page_table=state.page_table.at[seq].set(-1),
+                         seq_lens=state.seq_lens.at[seq].set(0))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def retain_pages(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheState:
+    """One more reference (a prefix index's) to each pool page in `pages` [n] (-1 = skip)."""
+    idx = jnp.where(pages >= 0, pages, cfg.pool_pages)
+    return state.replace(refcount=state.refcount.at[idx].add(1, mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def drop_pages(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheState:
+    """Release references taken by `retain_pages` (pages [n], -1 = skip, no repeats)."""
+    return _unref(cfg, state, pages)
