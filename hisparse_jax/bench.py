@@ -15,7 +15,7 @@ import numpy as np
 
 from hisparse_jax.attention import decode_attention, dense_decode_attention
 from hisparse_jax.cache import HiSparseCache
-from hisparse_jax.config import HiSparseConfig, preset
+from hisparse_jax.config import preset
 
 
 def _time_interleaved(fns, repeats):

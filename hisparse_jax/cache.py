@@ -13,9 +13,8 @@ evicted first when the pool runs short.
 
 from __future__ import annotations
 
-import numpy as np
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hisparse_jax import state as st
 from hisparse_jax.attention import decode_attention

@@ -103,7 +103,7 @@ class HiSparseConfig:
             return most
         return min(self.budget_tokens // self.page_size, most)
 
-    def replace(self, **changes) -> "HiSparseConfig":
+    def replace(self, **changes) -> HiSparseConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -111,7 +111,7 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
              implementation=None) -> Evaluation:
     """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D]."""
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
-    n, hq, d = q.shape
+    n, hq, _ = q.shape
     s, hkv, _ = k.shape
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import scheduler, state as st
+from hisparse_jax import scheduler
+from hisparse_jax import state as st
 from hisparse_jax.attention import attend_cold_slots, select_pages
 from hisparse_jax.cache import HiSparseCache
 
@@ -51,7 +52,7 @@ class OffloadedCache:
     """
 
     def __init__(self, cache: HiSparseCache, working_set: int | None = None,
-                 policy: scheduler.Policy = scheduler.Policy()):
+                 policy: scheduler.Policy | None = None):
         cfg = cache.cfg
         if cache.prefix is not None:
             raise ValueError("offload of a cache with a prefix index is not supported yet")
@@ -73,7 +74,7 @@ class OffloadedCache:
         b = cfg.max_seqs
         self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
                                 self.host[f].dtype) for f in HOST_FIELDS}
-        self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy)
+        self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.page_table = np.array(state.page_table)  # host mirror for copy addresses
         self.host_to_device_bytes = 0
 

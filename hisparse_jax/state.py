@@ -18,8 +18,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from hisparse_jax.config import HiSparseConfig
-from pallas_kernels.quant import (FP8_DTYPE, decode_fp8, encode_cold_keys, encode_cold_values,
-                                  encode_fp8)
+from pallas_kernels.quant import (
+    FP8_DTYPE,
+    decode_fp8,
+    encode_cold_keys,
+    encode_cold_values,
+    encode_fp8,
+)
 
 
 @struct.dataclass
@@ -122,7 +127,7 @@ def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
         int4_v_scale=put(state.int4_v_scale, vs), int4_v_zero=put(state.int4_v_zero, vz),
         digest_center=put(state.digest_center, center),
         digest_radius=put(state.digest_radius, radius))
-    return state, dict(int4_k=kq, int4_v=vq, int4_v_scale=vs, int4_v_zero=vz)
+    return state, {"int4_k": kq, "int4_v": vq, "int4_v_scale": vs, "int4_v_zero": vz}
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

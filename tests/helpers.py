@@ -1,11 +1,17 @@
 """Shared test helpers: an independent dequantized-cache reference."""
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from hisparse_jax.state import slot_positions
-from pallas_kernels.quant import (decode_cold_keys, decode_cold_values, decode_fp8,
-                                  encode_cold_keys, encode_cold_values, encode_fp8)
+from pallas_kernels.quant import (
+    decode_cold_keys,
+    decode_cold_values,
+    decode_fp8,
+    encode_cold_keys,
+    encode_cold_values,
+    encode_fp8,
+)
 
 
 def dequantized_kv(cfg, k, v):

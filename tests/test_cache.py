@@ -1,7 +1,6 @@
 """The cache: exact against an independent dequantized reference, tiers, errors, isolation."""
 
 import numpy as np
-import jax.numpy as jnp
 import pytest
 
 from hisparse_jax.cache import CacheFullError, HiSparseCache
@@ -10,8 +9,8 @@ from hisparse_jax.layout import nbytes, state_bytes
 from hisparse_jax.state import init_state, slot_positions
 from tests.helpers import dense, dequantized_kv
 
-SMALL = dict(num_kv_heads=2, head_dim=64, max_context=2048, max_seqs=2,
-             budget_tokens=FULL_BUDGET)
+SMALL = {"num_kv_heads": 2, "head_dim": 64, "max_context": 2048, "max_seqs": 2,
+         "budget_tokens": FULL_BUDGET}
 
 
 def _kv(rng, s, cfg):

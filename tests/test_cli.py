@@ -42,16 +42,20 @@ def test_eval_table(tmp_path, capsys):
     assert "recall_mean" in capsys.readouterr().out
 
 
+def _arrays(q_shape=(2, 4, 64), k_shape=(100, 2, 64), q_dtype=np.float32, k_fill=0.0,
+            with_v=True):
+    out = {"q": np.zeros(q_shape, q_dtype), "k": np.full(k_shape, k_fill, np.float32)}
+    if with_v:
+        out["v"] = np.zeros(k_shape, np.float32)
+    return out
+
+
 @pytest.mark.parametrize("arrays,msg", [
-    (dict(q=np.zeros((2, 4, 64), np.float32), k=np.zeros((100, 2, 64), np.float32)), "lacks"),
-    (dict(q=np.zeros((2, 4, 64), np.int32), k=np.zeros((100, 2, 64), np.float32),
-          v=np.zeros((100, 2, 64), np.float32)), "float16 or float32"),
-    (dict(q=np.zeros((2, 3, 64), np.float32), k=np.zeros((100, 2, 64), np.float32),
-          v=np.zeros((100, 2, 64), np.float32)), "multiple"),
-    (dict(q=np.zeros((2, 4, 64), np.float32), k=np.full((100, 2, 64), np.nan, np.float32),
-          v=np.zeros((100, 2, 64), np.float32)), "finite"),
-    (dict(q=np.zeros((2, 4, 63), np.float32), k=np.zeros((100, 2, 63), np.float32),
-          v=np.zeros((100, 2, 63), np.float32)), "head_dim"),
+    (_arrays(with_v=False), "lacks"),
+    (_arrays(q_dtype=np.int32), "float16 or float32"),
+    (_arrays(q_shape=(2, 3, 64)), "multiple"),
+    (_arrays(k_fill=np.nan), "finite"),
+    (_arrays(q_shape=(2, 4, 63), k_shape=(100, 2, 63)), "head_dim"),
 ])
 def test_eval_bad_input(tmp_path, arrays, msg):
     path = tmp_path / "bad.npz"

@@ -1,10 +1,17 @@
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from pallas_kernels.quant import (decode_cold_keys, decode_cold_values, decode_fp8,
-                                  encode_cold_keys, encode_cold_values, encode_fp8, pack_int4,
-                                  unpack_int4)
+from pallas_kernels.quant import (
+    decode_cold_keys,
+    decode_cold_values,
+    decode_fp8,
+    encode_cold_keys,
+    encode_cold_values,
+    encode_fp8,
+    pack_int4,
+    unpack_int4,
+)
 
 
 def test_pack_roundtrip():

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset
@@ -16,7 +18,7 @@ def test_bad_values_name_the_field(field, value):
 
 def test_frozen_and_presets():
     cfg = HiSparseConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.page_size = 32
     for name, p in PRESETS.items():
         assert preset(name) == p

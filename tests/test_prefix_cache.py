@@ -3,11 +3,12 @@ eviction under pressure, and page accounting under random interleavings."""
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as hs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 
 from hisparse_jax.cache import CacheFullError, HiSparseCache
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.prefix import PrefixIndex, mmh3_page_hash
+from hisparse_jax.prefix import PrefixIndex
 
 
 def _kv_for(tokens, hkv=2, d=64):
@@ -54,7 +55,7 @@ def test_common_8k_prefix_is_stored_once():
 
 
 def test_forced_collision_is_detected_and_not_reused():
-    collide = lambda prev, toks: 12345  # noqa: E731  every page hashes alike
+    collide = lambda prev, toks: 12345
     index = PrefixIndex(CFG.page_size, hash_fn=collide)
     cache = HiSparseCache(CFG, prefix=index)
     rng = np.random.default_rng(1)

@@ -29,7 +29,7 @@ def _heads(kinds, names):
 
 
 def test_concentrated_heads(case):
-    name, w, ev, kinds = case
+    name, _, ev, kinds = case
     s = ev.summary(_heads(kinds, CONCENTRATED))
     print(name, s)
     assert s["recall_p5"] >= 0.85
@@ -69,7 +69,7 @@ def test_quantization_alone(case):
 
 def test_random_pages_fail(case, monkeypatch):
     """Replacing selection with random cold pages must break the thresholds."""
-    name, w, ev, kinds = case
+    _, w, ev, kinds = case
     cfg = ev.config
     rng = np.random.default_rng(0)
     n_cold = cfg.max_pages - cfg.sink_pages - cfg.hot_pages - cfg.warm_pages
@@ -91,7 +91,7 @@ def test_random_pages_fail(case, monkeypatch):
 def test_coarser_quantization_fails(case, monkeypatch):
     """int2 instead of int4 (same packing, 3 levels) must break the quant thresholds."""
     from pallas_kernels.quant import reference as qref
-    _, w, _, _ = case
+    w = case[1]
     monkeypatch.setattr(qref, "INT4_LEVELS", 3.0)
     jax.clear_caches()
     s = evaluate(HiSparseConfig(budget_tokens=FULL_BUDGET), w.q[:4], w.k, w.v).summary()
