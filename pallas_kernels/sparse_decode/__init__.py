@@ -1,2 +1,1 @@
-from pallas_kernels.sparse_decode.reference import (  # noqa: F401
-    attend_part, merge_parts, sparse_decode)
+from pallas_kernels.sparse_decode.reference import attend_part, merge_parts, sparse_decode  # noqa: F401

@@ -8,7 +8,6 @@ they are removed with `where`, never by multiplying with zero.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant.reference import INT4_LEVELS, decode_fp8
