@@ -12,25 +12,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.config import HiSparseConfig, resolve_implementation
 from hisparse_jax.state import CacheState, slot_positions
 from pallas_kernels.lookup import reference as lookup_ref
 from pallas_kernels.sparse_decode import reference as decode_ref
 
-IMPLEMENTATIONS = (None, "xla", "pallas")
-
-
-def _resolve(implementation):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return implementation
-
 
 def _ops(implementation):
     """(page_scores, sparse_decode) for an implementation name."""
-    if _resolve(implementation) == "pallas":
+    if resolve_implementation(implementation) == "pallas":
         from pallas_kernels.lookup import kernel as lookup_kernel
         from pallas_kernels.sparse_decode import kernel as decode_kernel
         return lookup_kernel.page_scores, decode_kernel.sparse_decode

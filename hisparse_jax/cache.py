@@ -106,7 +106,7 @@ class HiSparseCache:
             k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
             v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
         self.state = st.prefill(c, self.state, jnp.int32(seq), k, v, jnp.int32(t),
-                                jnp.asarray(shared))
+                                jnp.asarray(shared), implementation=self.implementation)
         self.seq_lens[seq] = t
         self.num_free -= need
         if self.prefix is not None and tokens is not None:
@@ -167,7 +167,7 @@ class HiSparseCache:
         need = self._check_room(after, self.seq_lens)
         self._make_room(need)
         self.state = st.append_token(c, self.state, jnp.asarray(k), jnp.asarray(v),
-                                     jnp.asarray(active))
+                                     jnp.asarray(active), implementation=self.implementation)
         self.seq_lens = after
         self.num_free -= need
 

@@ -6,6 +6,17 @@ import dataclasses
 import math
 
 FULL_BUDGET = -1  # budget_tokens value meaning "attend every cold page"
+IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def resolve_implementation(implementation) -> str:
+    """None -> "pallas" on a GPU, "xla" elsewhere; anything else must be named."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation is None:
+        import jax
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return implementation
 
 
 @dataclasses.dataclass(frozen=True)

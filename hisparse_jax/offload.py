@@ -88,7 +88,8 @@ class OffloadedCache:
         need = self.checks._check_room(after, self.checks.seq_lens)
         self.checks._make_room(need)  # raises CacheFullError, changes nothing
         self.state, pool_ids, cold = st.append_token_offload(
-            c, self.state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(active))
+            c, self.state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(active),
+            implementation=self.implementation)
         pool_ids = np.asarray(pool_ids)
         made = np.flatnonzero(pool_ids < c.pool_pages)
         for f in HOST_FIELDS:  # device -> host: the new cold pages

@@ -17,14 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from hisparse_jax.config import HiSparseConfig
-from pallas_kernels.quant import (
-    FP8_DTYPE,
-    decode_fp8,
-    encode_cold_keys,
-    encode_cold_values,
-    encode_fp8,
-)
+from hisparse_jax.config import HiSparseConfig, resolve_implementation
+from pallas_kernels.quant import FP8_DTYPE, decode_fp8
+from pallas_kernels.quant import reference as quant_ref
 
 
 @struct.dataclass
@@ -113,9 +108,19 @@ def num_cold_pages(cfg: HiSparseConfig, length):
 
 # ---------------------------------------------------------------- prefill
 
-def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
+def _encoders(implementation):
+    """(encode_fp8, encode_cold_keys, encode_cold_values): Pallas kernels or the
+    references (bit-identical; tests/test_kernels.py)."""
+    if resolve_implementation(implementation) == "pallas":
+        from pallas_kernels.quant import kernel
+        return kernel.encode_fp8, kernel.encode_cold_keys, kernel.encode_cold_values
+    return quant_ref.encode_fp8, quant_ref.encode_cold_keys, quant_ref.encode_cold_values
+
+
+def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids, implementation):
     """Encode whole pages [n, Hkv, page, D] (f32) into pool pages `pool_ids` [n]
     (entries >= pool size are dropped). Also returns the encoded codes/scales."""
+    _, encode_cold_keys, encode_cold_values = _encoders(implementation)
     kq, center, radius = encode_cold_keys(k_pages)
     vq, vs, vz = encode_cold_values(v_pages, cfg.value_group)
 
@@ -130,9 +135,11 @@ def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids):
     return state, {"int4_k": kq, "int4_v": vq, "int4_v_scale": vs, "int4_v_zero": vz}
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="implementation",
+                   donate_argnums=1)
 def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array,
-            v: jax.Array, length: jax.Array, shared: jax.Array | None = None) -> CacheState:
+            v: jax.Array, length: jax.Array, shared: jax.Array | None = None, *,
+            implementation=None) -> CacheState:
     """Fill the empty sequence `seq` with the first `length` tokens of k, v.
 
     k, v: [T, Hkv, D] with T a multiple of page_size (padding after `length` is
@@ -162,6 +169,7 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
 
     bf16_k = gather(flat_k, bf16_pos).astype(jnp.bfloat16)
     bf16_v = gather(flat_v, bf16_pos).astype(jnp.bfloat16)
+    encode_fp8 = _encoders(implementation)[0]
     fk, fks = encode_fp8(gather(flat_k, fp8_pos))
     fv, fvs = encode_fp8(gather(flat_v, fp8_pos))
 
@@ -175,7 +183,7 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
     rank = jnp.cumsum(is_new) - 1  # rank of page among newly stored cold pages
     pool_ids = jnp.where(is_new, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
                          cfg.pool_pages)
-    state, _ = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids)
+    state, _ = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids, implementation)
     row = jnp.where(is_shared, shared, jnp.where(is_new, pool_ids, -1)).astype(jnp.int32)
     table_row = jnp.full((cfg.max_pages,), -1, jnp.int32).at[jnp.arange(npg)].set(
         row, mode="drop")
@@ -192,31 +200,33 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
 
 # ---------------------------------------------------------------- decode append
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="implementation",
+                   donate_argnums=1)
 def append_token(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Array,
-                 active: jax.Array) -> CacheState:
+                 active: jax.Array, *, implementation=None) -> CacheState:
     """Append one token to every active sequence. k, v: [B, Hkv, D]; active: [B] bool.
 
     When the new token opens a page, the oldest hot page moves to warm (fp8 encode)
     and the oldest warm page to cold (int4 encode of the fp8 data, into a pool page
     popped from the free stack). The caller checks that the pool has room.
     """
-    return _append_token(cfg, state, k, v, active)[0]
+    return _append_token(cfg, state, k, v, active, implementation)[0]
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="implementation",
+                   donate_argnums=1)
 def append_token_offload(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v: jax.Array,
-                         active: jax.Array):
+                         active: jax.Array, *, implementation=None):
     """`append_token` for a state whose int4 pool lives elsewhere (offload mode):
     also returns the pages that became cold, for the caller to store.
 
     returns (state, pool_ids [B] int32 (>= pool size where no page became cold),
              {int4_k, int4_v, int4_v_scale, int4_v_zero}: [B, Hkv, page, ...])
     """
-    return _append_token(cfg, state, k, v, active)
+    return _append_token(cfg, state, k, v, active, implementation)
 
 
-def _append_token(cfg, state, k, v, active):
+def _append_token(cfg, state, k, v, active, implementation):
     pg, s, h, w = cfg.page_size, cfg.sink_pages, cfg.hot_pages, cfg.warm_pages
     nb = state.seq_lens.shape[0]
     b_idx = jnp.arange(nb)
@@ -245,12 +255,13 @@ def _append_token(cfg, state, k, v, active):
     rank = jnp.cumsum(leave_warm) - 1
     pool_ids = jnp.where(leave_warm, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
                          cfg.pool_pages)
-    state, new_cold = _encode_pages_to_pool(cfg, state, old_k, old_v, pool_ids)
+    state, new_cold = _encode_pages_to_pool(cfg, state, old_k, old_v, pool_ids, implementation)
     cold_page = page - h - w
     table = state.page_table.at[b_idx, jnp.where(leave_warm, cold_page, cfg.max_pages)].set(
         pool_ids, mode="drop")
 
     if w:  # hot page -> warm ring slot of that page
+        encode_fp8 = _encoders(implementation)[0]
         fk, fks = encode_fp8(out_k)
         fv, fvs = encode_fp8(out_v)
 

@@ -105,7 +105,7 @@ def test_page_accounting_never_leaks_or_aliases(ops):
     cfg = CFG.replace(max_context=4096, num_pool_pages=600)
     cache = HiSparseCache(cfg, prefix=PrefixIndex(cfg.page_size))
     bases = [np.random.default_rng(s).integers(0, 50000, 4096) for s in range(4)]
-    tokens = {}
+    tokens, prefilled = {}, {}  # per live sequence: all its tokens, how many by prefill
     for op, seq, base, n in ops:
         try:
             if op == "prefill" and cache.seq_lens[seq] == 0:
@@ -113,6 +113,7 @@ def test_page_accounting_never_leaks_or_aliases(ops):
                 toks[n // 2:] += seq + 1  # sequences diverge half way
                 cache.prefill(seq, *_kv_for(toks), tokens=toks)
                 tokens[seq] = list(toks)
+                prefilled[seq] = len(toks)
             elif op == "append" and cache.seq_lens.any():
                 new = [int(bases[base][-1 - i]) for i in range(3)]
                 for tk in new:
@@ -128,6 +129,7 @@ def test_page_accounting_never_leaks_or_aliases(ops):
             elif op == "release" and cache.seq_lens[seq]:
                 cache.release(seq)
                 tokens.pop(seq)
+                prefilled.pop(seq)
             elif op == "prewarm" and (cache.seq_lens == 0).any():
                 doc = bases[base][:n]
                 if f"doc{base}-{n}" not in cache.prefix.contexts:
@@ -152,10 +154,19 @@ def test_page_accounting_never_leaks_or_aliases(ops):
         assert len(set(free.tolist())) == nfree  # no page twice on the stack
         assert not (set(free.tolist()) & set(np.flatnonzero(expect).tolist()))  # no aliasing
         assert nfree + np.count_nonzero(expect) == cfg.pool_pages  # nothing leaks
-    # Every live sequence attends exactly as a fresh cache holding the same tokens.
+    # Every live sequence attends exactly as a fresh cache given the same prefill and
+    # the same appends (shared pages hold the same bytes it would have encoded).
     q = np.random.default_rng(9).normal(size=(cfg.max_seqs, cfg.num_q_heads, 64)).astype(np.float32)
     out = np.asarray(cache.attend(q))
     for s, toks in tokens.items():
         fresh = HiSparseCache(cfg)
-        fresh.prefill(s, *_kv_for(toks))
-        np.testing.assert_allclose(out[s], np.asarray(fresh.attend(q))[s], rtol=1e-5, atol=1e-6)
+        k_all, v_all = _kv_for(toks)
+        n0 = prefilled[s]
+        fresh.prefill(s, k_all[:n0], v_all[:n0])
+        only = np.arange(cfg.max_seqs) == s
+        for t in range(n0, len(toks)):
+            kk = np.zeros((cfg.max_seqs, 2, 64), np.float32)
+            vv = np.zeros_like(kk)
+            kk[s], vv[s] = k_all[t], v_all[t]
+            fresh.append(kk, vv, active=only)
+        np.testing.assert_array_equal(out[s], np.asarray(fresh.attend(q))[s])

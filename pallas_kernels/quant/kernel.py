@@ -106,7 +106,13 @@ def _round_bf16(x, up):
 def _quantize(x, lo, step, interpret):
     safe = jnp.where(step > 0, step, 1.0)
     codes = jnp.where(step > 0, _round_half_even(_div(x - lo, safe, interpret)), 0.0)
-    return jnp.clip(codes, 0.0, INT4_LEVELS)
+    return jnp.clip(jnp.where(jnp.isnan(codes), 0.0, codes), 0.0, INT4_LEVELS)  # as reference
+
+
+def _any_nan(x, axis):
+    """Whether x holds a NaN along axis (a max of 0/1: reductions of NaN itself
+    differ between backends)."""
+    return jnp.max(jnp.where(jnp.isnan(x), 1.0, 0.0), axis=axis) > 0
 
 
 def _pack(c_lo, c_hi):
@@ -172,6 +178,8 @@ def _cold_keys_kernel(k_ref, packed_ref, center_ref, radius_ref, *, half, interp
         kmin, kmax = jnp.min(k, axis=0), jnp.max(k, axis=0)           # [D/2]
         c = ((kmin + kmax) * 0.5).astype(jnp.bfloat16).astype(jnp.float32)
         r = _round_bf16(jnp.maximum(c - kmin, kmax - c), up=True)
+        bad = _any_nan(k, axis=0)  # as the reference: NaN range, codes 0
+        c, r = jnp.where(bad, jnp.nan, c), jnp.where(bad, jnp.nan, r)
         lo, step = c - r, r * (2.0 / INT4_LEVELS)
         codes.append(_quantize(k, lo[None, :], step[None, :], interpret))
         center_ref[pl.ds(j * half, half)] = c.astype(jnp.bfloat16)
@@ -223,9 +231,11 @@ def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group, 
             for part in range(2):
                 col = part * half + j * group
                 x = v_ref[:, pl.ds(col, group)].astype(jnp.float32)      # [BR, group]
-                zero = _round_bf16(jnp.min(x, axis=1), up=False)          # [BR]
+                bad = _any_nan(x, axis=1)
+                zero = jnp.where(bad, jnp.nan, _round_bf16(jnp.min(x, axis=1), up=False))
                 step = _round_bf16(_div(jnp.max(x, axis=1) - zero, INT4_LEVELS, interpret),
                                    up=True)
+                step = jnp.where(bad, jnp.nan, step)
                 codes.append(_quantize(x, zero[:, None], step[:, None], interpret))
                 gi = part * ng_half + j
                 scale_ref[:, pl.ds(gi, 1)] = step.astype(jnp.bfloat16)[:, None]
@@ -234,9 +244,12 @@ def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group, 
     else:  # one group spans both halves (group == D)
         xl = v_ref[:, pl.ds(0, half)].astype(jnp.float32)
         xh = v_ref[:, pl.ds(half, half)].astype(jnp.float32)
+        bad = _any_nan(xl, axis=1) | _any_nan(xh, axis=1)
         zero = _round_bf16(jnp.minimum(jnp.min(xl, axis=1), jnp.min(xh, axis=1)), up=False)
+        zero = jnp.where(bad, jnp.nan, zero)
         mx = jnp.maximum(jnp.max(xl, axis=1), jnp.max(xh, axis=1))
-        step = _round_bf16(_div(mx - zero, INT4_LEVELS, interpret), up=True)
+        step = jnp.where(bad, jnp.nan, _round_bf16(_div(mx - zero, INT4_LEVELS, interpret),
+                                                   up=True))
         cl = _quantize(xl, zero[:, None], step[:, None], interpret)
         ch = _quantize(xh, zero[:, None], step[:, None], interpret)
         packed_ref[...] = _pack(cl, ch)

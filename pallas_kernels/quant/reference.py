@@ -43,10 +43,12 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def _quantize(x, lo, step):
-    """Codes of x on the grid lo + step * {0..15}; a zero step (constant data) gives 0."""
+    """Codes of x on the grid lo + step * {0..15}; a zero step (constant data) gives 0,
+    and so does NaN (a uint8 cast of NaN is undefined; the page's NaN range still
+    poisons its own sequence, and only it)."""
     safe = jnp.where(step > 0, step, 1.0)
     codes = jnp.where(step > 0, jnp.round((x - lo) / safe), 0.0)
-    return jnp.clip(codes, 0.0, INT4_LEVELS)
+    return jnp.clip(jnp.where(jnp.isnan(codes), 0.0, codes), 0.0, INT4_LEVELS)
 
 
 def encode_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -75,6 +77,11 @@ def encode_cold_keys(k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     center = ((kmin + kmax) * 0.5).astype(jnp.bfloat16)
     c = center.astype(jnp.float32)
     radius = round_bf16_up(jnp.maximum(c - kmin, kmax - c))
+    # A NaN key makes its channel's range NaN (reductions differ on NaN between
+    # backends; this pins it): codes 0, and the sequence stays visibly poisoned.
+    bad = jnp.any(jnp.isnan(k), axis=-2)
+    center = jnp.where(bad, jnp.nan, center).astype(jnp.bfloat16)
+    radius = jnp.where(bad, jnp.nan, radius).astype(jnp.bfloat16)
     lo, step = _key_grid(center, radius)
     return pack_int4(_quantize(k, lo, step)), center, radius
 
@@ -96,8 +103,10 @@ def encode_cold_values(v: jax.Array, group: int) -> tuple[jax.Array, jax.Array, 
     v = v.astype(jnp.float32)
     d = v.shape[-1]
     g = v.reshape(*v.shape[:-1], d // group, group)
-    zero = round_bf16_down(jnp.min(g, axis=-1))
+    bad = jnp.any(jnp.isnan(g), axis=-1)  # as for keys: a NaN group has NaN scale/zero
+    zero = jnp.where(bad, jnp.nan, round_bf16_down(jnp.min(g, axis=-1))).astype(jnp.bfloat16)
     step = round_bf16_up((jnp.max(g, axis=-1) - zero.astype(jnp.float32)) / INT4_LEVELS)
+    step = jnp.where(bad, jnp.nan, step).astype(jnp.bfloat16)
     codes = _quantize(g, zero.astype(jnp.float32)[..., None], step.astype(jnp.float32)[..., None])
     return pack_int4(codes.reshape(v.shape)), step, zero
 
