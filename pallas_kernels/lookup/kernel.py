@@ -31,20 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
-def resolve_interpret(interpret):
-    """None -> interpret unless running on a GPU."""
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    return bool(interpret)
+from pallas_kernels.common import is_pow2, pow2_ceil, resolve_interpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +46,7 @@ class LookupConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        if not _is_pow2(self.block_pages):
+        if not is_pow2(self.block_pages):
             raise ValueError(f"block_pages must be a power of two, got {self.block_pages}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
@@ -72,7 +59,7 @@ class LookupConfig:
         # enough bytes in flight per SM; fewer pages when the table is short so
         # that no program is mostly padding. Wide heads with big groups keep
         # 4 warps (one [pages, D] f32 tile live per query row).
-        bp = min(64, _pow2_ceil(max(num_pages, 1)))
+        bp = min(64, pow2_ceil(max(num_pages, 1)))
         bp = max(bp, 16)
         return LookupConfig(block_pages=bp, num_warps=4, num_stages=2)
 
@@ -129,7 +116,7 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     b, hkv, g, d = q.shape
     p = digest_center.shape[1]
     n = page_table.shape[1]
-    if not _is_pow2(d):
+    if not is_pow2(d):
         raise ValueError(f"head_dim must be a power of two, got {d}")
     if n == 0:
         empty = jnp.zeros((b, hkv, 0), jnp.float32)

@@ -24,22 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import is_pow2, pow2_floor, resolve_interpret
 from pallas_kernels.quant.reference import FP8_DTYPE, FP8_MAX, INT4_LEVELS
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def resolve_interpret(interpret):
-    """None -> interpret unless running on a GPU."""
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    return bool(interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +36,7 @@ class QuantConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        if not _is_pow2(self.block_rows):
+        if not is_pow2(self.block_rows):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
@@ -145,14 +131,14 @@ def encode_fp8(x: jax.Array, *, interpret=None, config: QuantConfig | None = Non
     interpret = resolve_interpret(interpret)
     cfg = config or QuantConfig()
     *lead, d = x.shape
-    if not _is_pow2(d):
+    if not is_pow2(d):
         raise ValueError(f"last dim must be a power of two, got {d}")
     r = 1
     for s in lead:
         r *= s
     if r == 0:
         return jnp.zeros(x.shape, FP8_DTYPE), jnp.zeros(tuple(lead), jnp.float32)
-    br = cfg.block_rows if r >= cfg.block_rows else _pow2_floor(r)
+    br = cfg.block_rows if r >= cfg.block_rows else pow2_floor(r)
     x2, r_pad = _rows_pad(x.reshape(r, d), br)
     codes, scale = pl.pallas_call(
         functools.partial(_fp8_kernel, interpret=interpret),
@@ -195,7 +181,7 @@ def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None
     interpret = resolve_interpret(interpret)
     cfg = config or QuantConfig()
     *lead, page, d = k.shape
-    if not (_is_pow2(d) and d >= 2 and _is_pow2(page)):
+    if not (is_pow2(d) and d >= 2 and is_pow2(page)):
         raise ValueError(f"page and head_dim must be powers of two, got {page}, {d}")
     n = 1
     for s in lead:
@@ -267,7 +253,7 @@ def encode_cold_values(v: jax.Array, group: int, *, interpret=None,
     cfg = config or QuantConfig()
     *lead, d = v.shape
     half = d // 2
-    if not (_is_pow2(d) and d >= 2 and _is_pow2(group) and (group <= half or group == d)):
+    if not (is_pow2(d) and d >= 2 and is_pow2(group) and (group <= half or group == d)):
         raise ValueError(f"unsupported head_dim {d} / group {group}")
     ng = d // group
     r = 1
@@ -277,7 +263,7 @@ def encode_cold_values(v: jax.Array, group: int, *, interpret=None,
     if r == 0:
         return (jnp.zeros((*lead, half), jnp.uint8), jnp.zeros((*lead, ng), jnp.bfloat16),
                 jnp.zeros((*lead, ng), jnp.bfloat16))
-    br = cfg.block_rows if r >= cfg.block_rows else _pow2_floor(r)
+    br = cfg.block_rows if r >= cfg.block_rows else pow2_floor(r)
     v2, r_pad = _rows_pad(v.reshape(r, d), br)
     packed, scale, zero = pl.pallas_call(
         functools.partial(_cold_values_kernel, half=half, group=group, interpret=interpret),

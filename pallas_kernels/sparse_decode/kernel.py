@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import is_pow2, pow2_ceil, resolve_interpret
 from pallas_kernels.quant.reference import INT4_LEVELS
 from pallas_kernels.sparse_decode.reference import merge_parts
 
@@ -53,19 +54,10 @@ _PRECISIONS = {
 }
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def resolve_interpret(interpret):
-    """None -> interpret unless running on a GPU."""
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    return bool(interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +77,7 @@ class DecodeConfig:
     precision: str = "bf16x3"
 
     def __post_init__(self):
-        if not (_is_pow2(self.block_tokens) and self.block_tokens >= 16):
+        if not (is_pow2(self.block_tokens) and self.block_tokens >= 16):
             raise ValueError(f"block_tokens must be a power of two >= 16, got {self.block_tokens}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
@@ -319,7 +311,7 @@ def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_center, dig
     _, p, page, half = int4_k.shape
     ngroups = v_scale.shape[-1]
     group = d // ngroups
-    if not (_is_pow2(page) and _is_pow2(group) and half * 2 == d):
+    if not (is_pow2(page) and is_pow2(group) and half * 2 == d):
         raise ValueError(f"page ({page}) and value group ({group}) must be powers of two")
     kk = cold_ids.shape[2]
     blk = max(cfg.block_tokens, page)  # whole pages per block
@@ -347,9 +339,9 @@ def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8
                    fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
                    digest_radius, cold_ids, *, sm_scale, interpret, config):
     b, hkv, g, d = q.shape
-    if not (_is_pow2(d) and d >= 32):
+    if not (is_pow2(d) and d >= 32):
         raise ValueError(f"head_dim must be a power of two >= 32, got {d}")
-    gp = max(16, _pow2_ceil(g))
+    gp = max(16, pow2_ceil(g))
     qp = q.astype(jnp.float32)
     if gp != g:
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
