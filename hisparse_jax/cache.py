@@ -13,15 +13,21 @@ evicted first when the pool runs short.
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 import numpy as np
 
+from hisparse_jax import layout
 from hisparse_jax import state as st
 from hisparse_jax.attention import decode_attention
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.prefix import PrefixIndex
 
 FLOAT_DTYPES = (np.float16, np.float32, jnp.bfloat16)
+
+
+log = logging.getLogger("hisparse")
 
 
 class CacheFullError(RuntimeError):
@@ -40,6 +46,7 @@ class HiSparseCache:
         self.seq_lens = np.zeros(cfg.max_seqs, np.int64)
         self.num_free = cfg.pool_pages
         self.seq_hashes: dict[int, list] = {}  # prefix entries each sequence holds
+        log.info(layout.summary_line(cfg))
 
     # ------------------------------------------------------------ checks
     def _check_seq(self, seq: int):

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import scheduler
+from hisparse_jax import layout, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.attention import attend_cold_slots, select_pages
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache import HiSparseCache, log
 
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 
@@ -77,6 +77,9 @@ class OffloadedCache:
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.page_table = np.array(state.page_table)  # host mirror for copy addresses
         self.host_to_device_bytes = 0
+        device = layout.nbytes(self.state) + layout.nbytes(self.ws) + layout.nbytes(self.sched)
+        host = sum(x.nbytes for x in self.host.values())
+        log.info(layout.summary_line(cfg, device_bytes=device, host_bytes=host))
 
     def append(self, k, v, active=None):
         c = self.cfg

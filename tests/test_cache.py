@@ -166,3 +166,15 @@ def test_constant_keys_have_zero_range_and_finite_output():
     assert np.all(np.isfinite(out))
     ref = dense(np.ones((cfg.num_q_heads, 64)), k, v)
     np.testing.assert_allclose(out[0], ref, atol=0.02)
+
+
+def test_build_logs_capacity_line_from_layout(caplog):
+    import logging
+
+    from hisparse_jax.layout import bf16_paged_bytes
+    cfg = HiSparseConfig(max_context=65536, max_seqs=2)
+    with caplog.at_level(logging.INFO, logger="hisparse"):
+        HiSparseCache(cfg)
+    line = next(r.message for r in caplog.records if "HiSparse KV cache" in r.message)
+    ratio = 2 * bf16_paged_bytes(cfg, 65536) / state_bytes(cfg).device
+    assert f"{ratio:.1f}x capacity vs bf16" in line
