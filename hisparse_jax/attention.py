@@ -55,7 +55,7 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
     top_b = top_b.reshape(*top_b.shape[:2], -1)
     pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
-    # A page picked by several heads is kept once; its other slots stay empty.
+    # A page picked by several heads is kept once (`dup` marks its other copies).
     order = jnp.argsort(pages_b, axis=-1)
     sorted_pages = jnp.take_along_axis(pages_b, order, axis=-1)
     dup_sorted = jnp.concatenate([jnp.zeros_like(sorted_pages[..., :1], bool),

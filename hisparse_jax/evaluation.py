@@ -67,6 +67,7 @@ class Evaluation:
     attended_fraction: float
     selected_pages: np.ndarray  # [N, Hkv, K] logical pages (-1 = none)
     weights: np.ndarray         # [N, Hq, S] exact softmax weights
+    always_attended: np.ndarray  # [S] bool: sink/hot/warm tokens (never candidates)
     config: HiSparseConfig
 
     def summary(self, heads=None) -> dict:
@@ -129,9 +130,9 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
 
     # Attended token mask [N, Hkv, S]: live bf16/fp8 slots for every query, plus
     # the tokens of each selected cold page.
-    bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
     always = np.zeros(s, bool)
-    for p in (bf16_pos, fp8_pos):
+    for p in slot_positions(cfg, jnp.array([s])):
+        p = np.asarray(p[0])
         always[p[p >= 0]] = True
     pg = cfg.page_size
     page_mask = np.zeros((n, hkv, cfg.max_pages), bool)
@@ -170,50 +171,42 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
         selection_error=rel(out, out_all), oracle_selection_error=rel(out_oracle, out_all),
         quant_error=rel(out_all, dense),
         top10_recall=top10_recall, attended_fraction=float(attended.mean()),
-        selected_pages=selected, weights=w, config=cfg)
+        selected_pages=selected, weights=w, always_attended=always, config=cfg)
+
+
+def _needle_pages(ev: Evaluation, targets: np.ndarray):
+    """For each retrieval query head: ({page: exact mass of its needle tokens},
+    pages attended anyway, pages selected). targets [N, Hq, 2]: the token span
+    (start, end) each query head asks for, -1 where none."""
+    pg, g = ev.config.page_size, ev.config.gqa_group
+    live = set((np.flatnonzero(ev.always_attended) // pg).tolist())
+    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
+        start, end = targets[n, hq]
+        masses = {p: float(ev.weights[n, hq, max(start, p * pg):min(end, (p + 1) * pg)].sum())
+                  for p in range(start // pg, (end - 1) // pg + 1)}
+        yield masses, live, set(ev.selected_pages[n, hq // g].tolist())
 
 
 def needle_pages_hit(ev: Evaluation, targets: np.ndarray, min_mass: float = 0.0
                      ) -> tuple[int, int]:
     """(needle cold pages selected, needle cold pages) over all retrieval queries.
-
-    targets [N, Hq, 2]: the token span (start, end) each query head asks for, -1
-    where none. A page counts when it holds needle tokens carrying more than
-    `min_mass` of that head's exact attention (0 = every page the span touches).
-    """
-    cfg = ev.config
-    pg, g = cfg.page_size, cfg.gqa_group
-    s = ev.weights.shape[-1]
-    bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
-    live_pages = set((bf16_pos[bf16_pos >= 0] // pg).tolist()) | \
-        set((fp8_pos[fp8_pos >= 0] // pg).tolist())
+    A page counts when its needle tokens carry more than `min_mass` of the head's
+    exact attention (0 = every page the span touches) and it is a candidate."""
     hit = total = 0
-    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
-        start, end = targets[n, hq]
-        chosen = set(ev.selected_pages[n, hq // g].tolist())
-        for p in range(start // pg, (end - 1) // pg + 1):
-            lo, hi = max(start, p * pg), min(end, (p + 1) * pg)
-            if p in live_pages or ev.weights[n, hq, lo:hi].sum() <= min_mass:
-                continue  # attended anyway (never a candidate), or negligible
-            total += 1
-            hit += p in chosen
+    for masses, live, chosen in _needle_pages(ev, targets):
+        for p, mass in masses.items():
+            if p not in live and mass > min_mass:
+                total += 1
+                hit += p in chosen
     return hit, total
 
 
 def needles_found(ev: Evaluation, targets: np.ndarray) -> tuple[int, int]:
     """(needles whose heaviest page was attended, needles asked for) over all
     retrieval queries: the needle was found at its depth."""
-    cfg = ev.config
-    pg, g = cfg.page_size, cfg.gqa_group
-    s = ev.weights.shape[-1]
-    bf16_pos, fp8_pos = (np.asarray(x[0]) for x in slot_positions(cfg, jnp.array([s])))
-    live = set((bf16_pos[bf16_pos >= 0] // pg).tolist()) | set((fp8_pos[fp8_pos >= 0] // pg).tolist())
     found = total = 0
-    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
-        start, end = targets[n, hq]
-        pages = range(start // pg, (end - 1) // pg + 1)
-        heaviest = max(pages, key=lambda p: ev.weights[n, hq, max(start, p * pg):
-                                                       min(end, (p + 1) * pg)].sum())
+    for masses, live, chosen in _needle_pages(ev, targets):
+        heaviest = max(masses, key=masses.get)
         total += 1
-        found += heaviest in live or heaviest in set(ev.selected_pages[n, hq // g].tolist())
+        found += heaviest in live or heaviest in chosen
     return found, total
