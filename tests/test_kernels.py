@@ -108,6 +108,19 @@ def test_lookup_matches_reference(case):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", [*LOOKUP_CASES, LookupCase(2, 2, 4, 64, 5, 64)], ids=str)
+def test_lookup_reference_pool_and_row_scoring_agree(case, monkeypatch):
+    """The reference scores the whole pool when it is small, else gathers each
+    sequence's digest rows: both must give the same bits."""
+    args = make_lookup(case)
+    results = []
+    for ratio in (0, 10**9):  # rows first, then pool first
+        monkeypatch.setattr(lookup_ref, "POOL_SCORING_RATIO", ratio)
+        results.append(jax.jit(lookup_ref.page_scores)(*args))
+    for rows, pool in zip(*results):
+        np.testing.assert_array_equal(rows, pool)
+
+
 def test_lookup_all_empty_row():
     case = LookupCase(2, 2, 4, 64, 9, 16)
     q, dc, dr, table = make_lookup(case)
