@@ -188,7 +188,7 @@ def _make_arrays(key, *, b, h, g, d, page, tb, tw, n, pool, sink_pages, recent, 
         "int4_v_zero": ((h, pool, page, ng), bf16, "uniform", -1.5, -0.5),
         # Digest: per-channel key range centre and radius (>= 0) of each page, [Hkv, P, D].
         "digest_center": ((h, pool, d), bf16, "normal", 0, 0),
-        "digest_radius": ((h, pool, d), bf16, "uniform", 0.0, 1.5),
+        "digest_radius": ((h, pool, d), fp8, "uniform", 0.0, 1.5),
     }
     if with_dense:
         specs["dense_k"] = ((1, h, blk, d), bf16, "normal", 0, 0)
@@ -234,11 +234,12 @@ def op_bytes(dims: dict, op: str) -> int:
         return q_bytes + b * h * dims["context"] * d * 2 * 2 + b * 4
     n = dims["context"] // page
     ng = d // dims["value_group"]
-    lookup = b * n * 4 + b * h * dims["candidate_pages"] * d * 2 * 2
+    digest_row = d * (2 + 1)  # bf16 centre + e4m3 radius
+    lookup = b * n * 4 + b * h * dims["candidate_pages"] * digest_row
     tb, tw = dims["bf16_tokens"], dims["fp8_tokens"]
     bf16 = b * h * tb * d * 2 * 2 + b * tb
     fp8 = b * h * tw * (d * 2 + 2 * 4) + b * tw
-    cold = b * h * dims["cold_pages"] * (4 + page * (d // 2) * 2 + page * ng * 2 * 2 + d * 2 * 2)
+    cold = b * h * dims["cold_pages"] * (4 + page * (d // 2) * 2 + page * ng * 2 * 2 + digest_row)
     if op == "lookup":
         return q_bytes + lookup
     if op == "sparse_decode":

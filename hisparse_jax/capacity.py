@@ -3,9 +3,7 @@ on the device and on the host, and how many sequences fit in a device budget.
 
 Everything is composed from `hisparse_jax.layout` (one layer's bytes) and, in
 offload mode, `hisparse_jax.scheduler.working_set_bytes` (the resident cold-page
-working set and its bookkeeping). Nothing here repeats the per-array arithmetic;
-the one new primitive is `_digest_bytes_int8`, a what-if for int8 digests that
-the layout does not have yet (see `int8_digest_variant`).
+working set and its bookkeeping). Nothing here repeats the per-array arithmetic.
 
 Offload mode (DESIGN §2.3): the int4 codes and value scales of cold pages live
 in host memory; the device keeps the sink/hot bf16 tier, the warm fp8 tier, the
@@ -116,40 +114,28 @@ def layer_config(model: ModelShape | str, context: int, preset: str | HiSparseCo
                         num_pool_pages=None, **overrides)
 
 
-def _digest_bytes_int8(cfg: HiSparseConfig, bf16_digest_bytes: int) -> int:
-    """What-if (not in layout.py): digests stored as int8 centre/radius with one f32
-    scale each per (page, KV head) instead of bf16. Same page count as the bf16 figure."""
-    _, per_page = layout.per_page_cold_bytes(cfg)   # bf16 digest bytes of one pool page
-    pages = bf16_digest_bytes // per_page
-    return pages * (per_page // 2 + 2 * cfg.num_kv_heads * layout.F32)
-
-
 def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None = None, *,
          offload: bool = False, preset: str | HiSparseConfig = "default",
          working_set_multiple: float = 2.0, working_set_pages: int | None = None,
-         reserve_bytes: int = 0, digest_dtype: str = "bf16") -> dict:
+         reserve_bytes: int = 0) -> dict:
     """Bytes of one sequence of `context` tokens, whole model (all layers), by tier.
 
     device_memory_bytes: the device budget for KV caches (minus `reserve_bytes`,
     e.g. the weights); gives the max concurrent sequences. working_set_pages
     (per (sequence, KV head)) overrides working_set_multiple x budget pages.
-    digest_dtype "int8" is a what-if the layout does not implement yet.
     """
     m = _model(model)
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
-    if digest_dtype not in ("bf16", "int8"):
-        raise ValueError(f"digest_dtype must be 'bf16' or 'int8', got {digest_dtype!r}")
     cfg = layer_config(m, context, preset)
     L = m.num_layers
     b = layout.sequence_bytes(cfg, context)            # one layer, everything on device
-    digests = b.digests if digest_dtype == "bf16" else _digest_bytes_int8(cfg, b.digests)
     cold_codes = b.int4_tier
     tiers = {
         "sink_hot_bf16": b.bf16_tier,
         "warm_fp8": b.fp8_tier,
         "cold_int4_codes_scales": cold_codes,
-        "digests": digests,
+        "digests": b.digests,
         "page_tables": b.page_tables,
         "working_set": 0,
     }
@@ -173,7 +159,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
         "num_q_heads": m.num_q_heads, "head_dim": m.head_dim,
         "context": context, "preset": preset if isinstance(preset, str) else "custom",
         "page_size": cfg.page_size, "budget_pages": cfg.budget_pages,
-        "offload": offload, "digest_dtype": digest_dtype,
+        "offload": offload,
         "working_set_pages_per_seq_head": ws_pages,
         "tiers_device_bytes": {k: v * L for k, v in tiers.items()},
         "device_bytes": device,
@@ -195,10 +181,6 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     return out
 
 
-def int8_digest_variant(model, context, **kw) -> dict:
-    return plan(model, context, digest_dtype="int8", **kw)
-
-
 def log_line(p: dict) -> str:
     """'HiSparse KV cache: 17.8x capacity vs bf16 (device 6.1 GiB, host 41.0 GiB)'."""
     s = (f"HiSparse KV cache: {p['capacity_vs_bf16']:.1f}x capacity vs bf16 "
@@ -210,10 +192,8 @@ def offload_target_check(model="llama3-8b", context=1 << 20, target=16.0) -> dic
     """Does offload at `context`, default preset, reach `target`x fewer device bytes per
     token than bf16 with every device byte counted? And what would, if not."""
     rows = {
-        "default (page 16, bf16 digests)": plan(model, context, offload=True),
-        "page32 (bf16 digests)": plan(model, context, offload=True, preset="page32"),
-        "page 16, int8 digests (what-if)": plan(model, context, offload=True,
-                                                digest_dtype="int8"),
+        "default (page 16)": plan(model, context, offload=True),
+        "page32": plan(model, context, offload=True, preset="page32"),
     }
     return {name: {"capacity_vs_bf16": r["capacity_vs_bf16"],
                    "device_bytes_per_token_per_kv_head": r["device_bytes_per_token_per_kv_head"],
@@ -225,7 +205,7 @@ def offload_target_check(model="llama3-8b", context=1 << 20, target=16.0) -> dic
 def _table(p: dict) -> str:
     lines = [(f"{p['model']}  context {p['context']}  preset {p['preset']} (page "
              f"{p['page_size']}, budget {p['budget_pages']} pages)  "
-             f"{'offload' if p['offload'] else 'all on device'}  digests {p['digest_dtype']}")]
+             f"{'offload' if p['offload'] else 'all on device'}")]
     w = max(len(k) for k in p["tiers_device_bytes"]) + 2
     for k, v in p["tiers_device_bytes"].items():
         lines.append(f"  device {k.ljust(w)}{fmt_bytes(v):>12}")
@@ -249,8 +229,7 @@ def main_capacity(args) -> dict:
         reserve = parse_size(args.reserve) if args.reserve else 0
         context = parse_tokens(args.context)  # already an int from the parser
         p = plan(args.model, context, dev, offload=args.offload, preset=args.preset,
-                 working_set_multiple=args.working_set, reserve_bytes=reserve,
-                 digest_dtype=args.digest_dtype)
+                 working_set_multiple=args.working_set, reserve_bytes=reserve)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     print(json.dumps(p) if args.json else _table(p))
@@ -290,8 +269,6 @@ def add_capacity_parser(subparsers):
     c.add_argument("--working-set", type=_positive_float, default=2.0,
                    help="resident cold pages per (sequence, KV head), in multiples of the "
                         "selection budget (offload mode)")
-    c.add_argument("--digest-dtype", default="bf16", choices=("bf16", "int8"),
-                   help="int8 is a what-if not implemented in the cache yet")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=main_capacity)
     return c

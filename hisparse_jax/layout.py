@@ -40,7 +40,7 @@ def per_page_cold_bytes(cfg: HiSparseConfig) -> tuple[int, int]:
     """(int4 codes + value scales, digest) bytes of one pool page, all KV heads."""
     h, d, pg = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
     codes = 2 * h * pg * (d // 2) * U8 + 2 * h * pg * (d // cfg.value_group) * BF16
-    digest = 2 * h * d * BF16
+    digest = h * d * (BF16 + FP8)  # bf16 centre, e4m3 radius
     return codes, digest
 
 

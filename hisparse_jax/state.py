@@ -37,9 +37,9 @@ class CacheState:
     int4_v_scale: jax.Array  # [Hkv, P, page, D/group] bf16
     int4_v_zero: jax.Array   # [Hkv, P, page, D/group] bf16
     # The page digest: per-channel key range as centre and radius (Quest's bound
-    # and the int4 key grid at once).
+    # and the int4 key grid at once); the radius is rounded up to e4m3.
     digest_center: jax.Array  # [Hkv, P, D] bf16
-    digest_radius: jax.Array  # [Hkv, P, D] bf16
+    digest_radius: jax.Array  # [Hkv, P, D] float8_e4m3fn
     page_table: jax.Array    # [B, max_pages] int32: logical page -> pool page, -1 if not cold
     seq_lens: jax.Array      # [B] int32
     free_pages: jax.Array    # [P] int32: stack of free pool pages, top at num_free - 1
@@ -61,7 +61,7 @@ def init_state(cfg: HiSparseConfig) -> CacheState:
         fp8_k_scale=z((b, h, tw), jnp.float32), fp8_v_scale=z((b, h, tw), jnp.float32),
         int4_k=z((h, p, pg, d // 2), jnp.uint8), int4_v=z((h, p, pg, d // 2), jnp.uint8),
         int4_v_scale=z((h, p, pg, ng), jnp.bfloat16), int4_v_zero=z((h, p, pg, ng), jnp.bfloat16),
-        digest_center=z((h, p, d), jnp.bfloat16), digest_radius=z((h, p, d), jnp.bfloat16),
+        digest_center=z((h, p, d), jnp.bfloat16), digest_radius=z((h, p, d), FP8_DTYPE),
         page_table=jnp.full((b, cfg.max_pages), -1, jnp.int32),
         seq_lens=z((b,), jnp.int32),
         free_pages=jnp.arange(p - 1, -1, -1, dtype=jnp.int32),  # page 0 popped first

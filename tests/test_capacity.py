@@ -35,7 +35,9 @@ def test_plan_composes_layout():
     assert sum(p["tiers_device_bytes"].values()) == p["device_bytes"]
     # bf16 baseline: 128 KiB per token for Llama-3-8B (DESIGN §1), plus its page table
     assert 128 * 2**30 <= p["bf16_paged_bytes"] < 128.1 * 2**30
-    assert p["capacity_vs_bf16"] == pytest.approx(512 / 176, rel=0.01)
+    # per token per KV head: int4 K+V codes 128, value scales/zeros 16, digest
+    # 384/16 = 24 B, the rest (tiers, tables) amortized under 1 B
+    assert p["capacity_vs_bf16"] == pytest.approx(512 / 168.2, rel=0.005)
 
 
 def test_offload_moves_codes_to_host_and_counts_working_set():
@@ -61,13 +63,15 @@ def test_offload_moves_codes_to_host_and_counts_working_set():
         cap.layer_config("llama3-8b", 4096), 4096)
 
 
-def test_offload_target_at_1m_is_reported_honestly():
+def test_offload_target_at_1m():
+    """Issue 4: >= 16x fewer device bytes per token than bf16 at 1M in offload mode.
+    At page 16 the digest (bf16 centre + e4m3 radius, 3 B/channel) is 24 B/token/head
+    of the 32 the target allows; everything else must fit in the remaining 8."""
     chk = cap.offload_target_check()
-    d = chk["default (page 16, bf16 digests)"]
-    # page 16 bf16 digests alone are 32 B/token/head: 512/32 = 16x before any other byte
-    assert d["device_bytes_per_token_per_kv_head"] > 32.0 and not d["meets_target"]
-    assert chk["page32 (bf16 digests)"]["meets_target"]
-    assert chk["page 16, int8 digests (what-if)"]["meets_target"]
+    d = chk["default (page 16)"]
+    assert d["meets_target"] and d["capacity_vs_bf16"] >= 16.0
+    assert 24.0 < d["device_bytes_per_token_per_kv_head"] < 32.0
+    assert chk["page32"]["meets_target"]
 
 
 def test_max_sequences_and_log_line():

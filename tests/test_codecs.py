@@ -12,6 +12,24 @@ from pallas_kernels.quant import (
     pack_int4,
     unpack_int4,
 )
+from pallas_kernels.quant.reference import round_fp8_up
+
+
+def test_round_fp8_up_is_the_smallest_e4m3_not_below():
+    """Every e4m3 value, its neighbours in f32, and random magnitudes over the whole
+    range: the result is an e4m3 value >= x with no e4m3 value in between."""
+    e4m3 = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    e4m3 = np.unique(e4m3[np.isfinite(e4m3) & (e4m3 >= 0)])
+    rng = np.random.default_rng(0)
+    x = np.concatenate([e4m3, e4m3 * (1 + 1e-6), e4m3 * (1 - 1e-6), [1e-30, 2.0**-10],
+                        np.exp(rng.uniform(-15, 6, 4000))]).astype(np.float32)
+    x = x[x <= 448]
+    y = np.asarray(round_fp8_up(jnp.asarray(x)))
+    assert np.isin(y, e4m3).all() and (y >= x).all()
+    below = e4m3[np.maximum(np.searchsorted(e4m3, y) - 1, 0)]  # next e4m3 under y
+    assert ((below < x) | (y == 0)).all()
+    big = np.asarray(round_fp8_up(jnp.asarray([449.0, 1e9, np.nan], jnp.float32)))
+    assert big[0] == big[1] == 448 and np.isnan(big[2])
 
 
 def test_pack_roundtrip():

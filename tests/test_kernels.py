@@ -89,7 +89,7 @@ def make_lookup(c: LookupCase, seed=0):
     # Pool page 0 and the top quarter of the pool are unused: NaN digests.
     unused = (jnp.arange(c.pool) == 0) | (jnp.arange(c.pool) >= c.pool * 3 // 4)
     center = jnp.where(unused[None, :, None], jnp.nan, center).astype(jnp.bfloat16)
-    radius = jnp.where(unused[None, :, None], jnp.nan, radius).astype(jnp.bfloat16)
+    radius = jnp.where(unused[None, :, None], jnp.nan, radius).astype(jnp.float8_e4m3fn)
     table = jax.random.randint(k[3], (c.batch, c.pages), 1, c.pool * 3 // 4)
     table = jnp.where(jax.random.uniform(k[4], table.shape) < 0.3, -1, table)
     table = table.at[-1, c.pages // 2:].set(-1)  # a ragged tail

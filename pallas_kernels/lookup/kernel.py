@@ -69,7 +69,7 @@ def _lookup_kernel(qc_ref, qa_ref, pt_ref, c_ref, r_ref, bound_ref, center_ref, 
     # qc_ref:   [G, D] f32      bf16(q / sqrt(D)) of this (b, h)
     # qa_ref:   [G, D] f32      bf16(|q| / sqrt(D))
     # pt_ref:   [BN] int32      page-table entries of this block, -1 = none
-    # c_ref, r_ref: [Hkv * P, D] bf16  whole pools (memory_space=ANY), row = h*P + page
+    # c_ref, r_ref: [Hkv * P, D] bf16 / e4m3  whole pools (memory_space=ANY), row = h*P + page
     # bound_ref, center_ref: [G, BN] f32  per query head, -inf for non-candidates
     h = pl.program_id(1)
     ids = pt_ref[...]                                       # [BN]
@@ -105,7 +105,7 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
 
     q:             [B, Hkv, G, D] float  (query heads grouped by their KV head)
     digest_center: [Hkv, P, D] bf16      per-channel key range centre of each pool page
-    digest_radius: [Hkv, P, D] bf16      ... and half-width
+    digest_radius: [Hkv, P, D] e4m3      ... and half-width
     page_table:    [B, N] int32          logical page -> pool page, -1 = not a candidate
     returns        bound [B, Hkv, G, N] (per query head) and center [B, Hkv, N]
                    (group mass) float32, -inf for non-candidates

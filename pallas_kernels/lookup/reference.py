@@ -24,12 +24,12 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
             summed (log): ranks spread mass, and a head with a large query norm
             cannot drown the others.
 
-    Two dots of bf16 digests with the query rounded to bf16, accumulated in f32
+    Two dots of bf16 digests (the e4m3 radius widened exactly to bf16) with the query rounded to bf16, accumulated in f32
     (~3 significant digits in q: plenty for ranking pages).
 
     q:             [B, Hkv, G, D] float  (query heads grouped by their KV head)
     digest_center: [Hkv, P, D] bf16      per-channel key range centre of each pool page
-    digest_radius: [Hkv, P, D] bf16      ... and half-width
+    digest_radius: [Hkv, P, D] e4m3      ... and half-width
     page_table:    [B, N] int32          logical page -> pool page, -1 = not a candidate
     returns        bound [B, Hkv, G, N] and center [B, Hkv, N] float32, -inf for
                    non-candidates
@@ -44,7 +44,7 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     score_pool = digest_center.shape[1] <= POOL_SCORING_RATIO * page_table.shape[1]
 
     def dot(rows, digest):  # head-major batch dims: the layout XLA:CPU runs fastest
-        rows = rows.astype(jnp.bfloat16)
+        rows, digest = rows.astype(jnp.bfloat16), digest.astype(jnp.bfloat16)  # e4m3 exact
         if score_pool:
             scores = jnp.einsum("hbgd,hpd->hbgp", rows, digest,
                                 preferred_element_type=jnp.float32)

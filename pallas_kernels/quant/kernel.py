@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import is_pow2, pow2_floor, resolve_interpret
-from pallas_kernels.quant.reference import FP8_DTYPE, FP8_MAX, INT4_LEVELS
+from pallas_kernels.quant.reference import FP8_DTYPE, FP8_MAX, INT4_LEVELS, round_fp8_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,26 +157,26 @@ def encode_fp8(x: jax.Array, *, interpret=None, config: QuantConfig | None = Non
 
 def _cold_keys_kernel(k_ref, packed_ref, center_ref, radius_ref, *, half, interpret):
     # k_ref: [page, D] any float (one page); packed_ref: [page, D/2] u8;
-    # center_ref, radius_ref: [D] bf16
+    # center_ref: [D] bf16; radius_ref: [D] e4m3
     codes = []
     for j in range(2):  # low half (channels 0..D/2-1), high half (D/2..D-1)
         k = k_ref[:, pl.ds(j * half, half)].astype(jnp.float32)      # [page, D/2]
         kmin, kmax = jnp.min(k, axis=0), jnp.max(k, axis=0)           # [D/2]
         c = ((kmin + kmax) * 0.5).astype(jnp.bfloat16).astype(jnp.float32)
-        r = _round_bf16(jnp.maximum(c - kmin, kmax - c), up=True)
+        r = round_fp8_up(jnp.maximum(c - kmin, kmax - c))
         bad = _any_nan(k, axis=0)  # as the reference: NaN range, codes 0
         c, r = jnp.where(bad, jnp.nan, c), jnp.where(bad, jnp.nan, r)
         lo, step = c - r, r * (2.0 / INT4_LEVELS)
         codes.append(_quantize(k, lo[None, :], step[None, :], interpret))
         center_ref[pl.ds(j * half, half)] = c.astype(jnp.bfloat16)
-        radius_ref[pl.ds(j * half, half)] = r.astype(jnp.bfloat16)
+        radius_ref[pl.ds(j * half, half)] = r.astype(FP8_DTYPE)
     packed_ref[...] = _pack(codes[0], codes[1])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None = None):
     """Keys of whole pages [..., page, D] -> (packed [..., page, D/2] u8,
-    center [..., D] bf16, radius [..., D] bf16); see reference.encode_cold_keys.
+    center [..., D] bf16, radius [..., D] e4m3); see reference.encode_cold_keys.
     page and D must be powers of two. One page per program."""
     interpret = resolve_interpret(interpret)
     cfg = config or QuantConfig()
@@ -196,7 +196,7 @@ def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None
                    pl.BlockSpec((None, d), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, page, half), jnp.uint8),
                    jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((n, d), jnp.bfloat16)],
+                   jax.ShapeDtypeStruct((n, d), FP8_DTYPE)],
         interpret=interpret, compiler_params=_params(cfg), name="hisparse_encode_cold_keys",
     )(k.reshape(n, page, d))
     lead = tuple(lead)

@@ -175,7 +175,7 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_r
     # ids_ref:  [Kp] int32                   selected pool pages of (b, h), -1 = none
     # k_ref, v_ref: [Hkv * P * page, D/2] u8 (ANY), row (h*P + id)*page + tok, half split
     # vs_ref, vz_ref: [Hkv * P * page * D/group] bf16 (ANY), value scale / zero per group
-    # c_ref, r_ref: [Hkv * P * D] bf16 (ANY), key range centre / radius per page, channel
+    # c_ref, r_ref: [Hkv * P * D] bf16 / e4m3 (ANY), key range centre / radius per page, channel
     # o_ref: [Gp, D] f32;  lse_ref: [Gp] f32  (this split)
     # A block is `pb` whole pages (block >= page): per-page quantities (ids, key
     # range) are loaded once per page and broadcast over its tokens by reshapes;
@@ -381,7 +381,7 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     fp8_valid:    [B, Tw] bool
     int4_k/v:     [Hkv, P, page, D/2] u8   cold pool, head-major (half-split packed)
     int4_v_scale, int4_v_zero: [Hkv, P, page, D/group] bf16
-    digest_center, digest_radius: [Hkv, P, D] bf16  key range of each page (int4 key grid)
+    digest_center, digest_radius: [Hkv, P, D] bf16, e4m3  key range of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
     sm_scale:     Python float (static)
     interpret:    None = interpret mode unless on GPU

@@ -102,7 +102,7 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     fp8_valid:    [B, Tw] bool
     int4_k/v:     [Hkv, P, page, D/2] u8   cold pool (half-split packed)
     int4_v_scale, int4_v_zero: [Hkv, P, page, D/group] bf16
-    digest_center, digest_radius: [Hkv, P, D] bf16  key range of each page (int4 key grid)
+    digest_center, digest_radius: [Hkv, P, D] bf16, e4m3  key range of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
     returns (out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32)
     """
