@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import layout, scheduler
+from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.attention import attend_cold_slots, select_pages
 from hisparse_jax.cache import HiSparseCache, log
+from hisparse_jax.config import HiSparseConfig
 
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 
@@ -44,25 +45,55 @@ def _slots_of(resident, logical):
     return jnp.where(jnp.any(match, axis=-1), base + slot, -1).astype(jnp.int32)
 
 
+@jax.jit
+def _move_slots(ws, src):
+    """Working-set data re-slotted after `scheduler.resize`: ws [Hkv, B*W, ...],
+    src [B, Hkv, W'] (old slot per new slot, -1 = empty) -> [Hkv, B*W', ...]."""
+    b, h, w_new = src.shape
+
+    def one(x):
+        x = x.reshape(h, b, -1, *x.shape[2:])                      # [Hkv, B, W, ...]
+        idx = jnp.maximum(src, 0).transpose(1, 0, 2)               # [Hkv, B, W']
+        idx = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
+        got = jnp.take_along_axis(x, idx, axis=2)
+        ok = (src >= 0).transpose(1, 0, 2).reshape(idx.shape)
+        return jnp.where(ok, got, jnp.zeros((), x.dtype)).reshape(h, b * w_new, *x.shape[3:])
+    return {f: one(x) for f, x in ws.items()}
+
+
 class OffloadedCache:
     """A filled HiSparseCache with its cold codes moved to host memory.
 
     Supports decode appends and attention; prefill and release stay on the
     all-resident HiSparseCache (build, then offload).
+
+    device_budget (bytes): the device memory this cache may use. Over it, the
+    cache moves to the least degraded `pressure.levels` that fits (smaller hot
+    window, then smaller selection budget and working set), or raises
+    `pressure.DeviceBudgetError` and changes nothing (the HiSparseCache handed in
+    stays usable). `fit_device_budget` does the same later, on a running cache.
     """
 
     def __init__(self, cache: HiSparseCache, working_set: int | None = None,
-                 policy: scheduler.Policy | None = None):
+                 policy: scheduler.Policy | None = None, device_budget: int | None = None):
         cfg = cache.cfg
         if cache.prefix is not None:
             raise ValueError("offload of a cache with a prefix index is not supported yet")
-        self.cfg = cfg
-        self.implementation = cache.implementation
-        self.checks = cache  # host-side mirrors and input checks
         w = working_set or 2 * cfg.budget_pages
         if w < cfg.budget_pages:
             raise ValueError(f"working_set={w} must hold the selection budget "
                              f"({cfg.budget_pages} pages)")
+        if device_budget is not None:  # refuse before taking the cache's buffers
+            self._pick_level(cfg, cfg, w / cfg.budget_pages, device_budget,
+                             jax.eval_shape(lambda s: s.replace(**{
+                                 f: jnp.zeros((cfg.num_kv_heads, 0) + getattr(s, f).shape[2:],
+                                              getattr(s, f).dtype) for f in HOST_FIELDS}),
+                                 cache.state))
+        self.cfg = cfg
+        self.nominal = cfg  # the configured tiers; pressure levels derive from it
+        self.working_set_multiple = w / cfg.budget_pages
+        self.implementation = cache.implementation
+        self.checks = cache  # host-side mirrors and input checks
         self.working_set = w
         state = cache.state
         self.host = {f: np.array(getattr(state, f)) for f in HOST_FIELDS}
@@ -77,9 +108,62 @@ class OffloadedCache:
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.page_table = np.array(state.page_table)  # host mirror for copy addresses
         self.host_to_device_bytes = 0
-        device = layout.nbytes(self.state) + layout.nbytes(self.ws) + layout.nbytes(self.sched)
+        if device_budget is not None:
+            self.fit_device_budget(device_budget)
         host = sum(x.nbytes for x in self.host.values())
-        log.info(layout.summary_line(cfg, device_bytes=device, host_bytes=host))
+        log.info(layout.summary_line(self.cfg, device_bytes=self.device_bytes(),
+                                     host_bytes=host))
+
+    # ------------------------------------------------------------ memory pressure
+    def device_bytes(self) -> int:
+        """Every device byte this cache holds: tiers, digests, tables, working set
+        and scheduler state."""
+        return layout.nbytes(self.state) + layout.nbytes(self.ws) + layout.nbytes(self.sched)
+
+    @staticmethod
+    def _pick_level(nominal: HiSparseConfig, current: HiSparseConfig, multiple: float,
+                    budget: int, state_shapes) -> tuple[HiSparseConfig, int]:
+        """The least degraded level reachable from `current` (the hot window cannot
+        grow back) whose device bytes fit `budget`: (config, working set)."""
+        need = []
+        for lvl in pressure.levels(nominal):
+            if lvl.hot_tokens > current.hot_tokens:
+                continue
+            w = max(lvl.budget_pages, round(multiple * lvl.budget_pages))
+            shapes = state_shapes
+            if lvl.hot_tokens != current.hot_tokens:
+                shapes = jax.eval_shape(functools.partial(st.retier, current, lvl), shapes)
+            total = (layout.nbytes(shapes)
+                     + scheduler.working_set_bytes(lvl, w, batch=nominal.max_seqs))
+            if total <= budget:
+                return lvl, w
+            need.append(total)
+        raise pressure.DeviceBudgetError(
+            f"device budget {budget} B is below this cache's smallest footprint "
+            f"{min(need)} B (hot window {pressure.MIN_HOT_TOKENS} tokens, selection "
+            f"budget {pressure.levels(nominal)[-1].budget_tokens} tokens); nothing changed")
+
+    def fit_device_budget(self, budget: int) -> HiSparseConfig:
+        """Move to the least degraded pressure level that fits `budget` device bytes
+        (shrinking or, when the pressure eased, growing the selection budget back);
+        raises DeviceBudgetError and changes nothing if none fits. Returns the
+        config now in use."""
+        lvl, w = self._pick_level(self.nominal, self.cfg, self.working_set_multiple, budget,
+                                  self.state)
+        if lvl.hot_tokens != self.cfg.hot_tokens or lvl.warm_tokens != self.cfg.warm_tokens:
+            st.check_retier(self.cfg, lvl)
+            self.state = st.retier(self.cfg, lvl, self.state, implementation=self.implementation)
+        if w != self.working_set:
+            self.sched, src = scheduler.resize(self.sched, w)
+            self.ws = _move_slots(self.ws, src)
+            self.working_set = w
+        if lvl != self.cfg:
+            log.info("HiSparse under device budget %d B: hot %d tokens, selection budget "
+                     "%d tokens, working set %d pages", budget, lvl.hot_tokens,
+                     lvl.budget_tokens, w)
+        self.cfg = lvl
+        self.checks.cfg = lvl
+        return lvl
 
     def append(self, k, v, active=None):
         c = self.cfg

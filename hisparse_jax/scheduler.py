@@ -257,6 +257,36 @@ def apply(state: SchedulerState, p: Plan) -> SchedulerState:
                          step=state.step + 1, counters=state.counters + p.delta)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def resize(state: SchedulerState, working_set: int) -> tuple[SchedulerState, jax.Array]:
+    """The working set resized to `working_set` slots per (sequence, KV head) (memory
+    pressure shrinks it with the selection budget; relief grows it back). Shrinking
+    keeps the pages the policy values most: the last step's selection, then by
+    recency-weighted frequency, then recency. Returns (state, source [B, Hkv, W']
+    int32: the old slot whose page each new slot keeps, -1 = empty slot)."""
+    if working_set < 1:
+        raise ValueError(f"working_set must be >= 1, got {working_set}")
+    W = state.resident.shape[-1]
+    recent = state.last_used >= state.step - 1
+    value = jnp.where(state.resident >= 0,
+                      2.0 * recent + state.score * (1.0 - state.policy.decay)
+                      + (state.last_used + 1) / (state.step + 1.0), -jnp.inf)
+    keep = min(W, working_set)
+    top, src = jax.lax.top_k(value, keep)
+    src = jnp.where(top > -jnp.inf, src, -1).astype(jnp.int32)
+    pad = working_set - keep
+    if pad:
+        src = jnp.concatenate([src, jnp.full(src.shape[:2] + (pad,), -1, jnp.int32)], -1)
+
+    def take(x, fill):
+        return jnp.where(src >= 0, jnp.take_along_axis(x, jnp.maximum(src, 0), -1), fill)
+
+    evicted = jnp.sum(state.resident >= 0) - jnp.sum(src >= 0)
+    counters = state.counters.at[COUNTERS.index("evictions")].add(evicted.astype(jnp.int32))
+    return state.replace(resident=take(state.resident, -1), score=take(state.score, 0.0),
+                         last_used=take(state.last_used, -1), counters=counters), src
+
+
 def step(state, selected_pages, prev_layer_selected=None, candidates=None):
     p = plan(state, selected_pages, prev_layer_selected, candidates)
     return apply(state, p), p

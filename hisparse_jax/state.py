@@ -324,3 +324,62 @@ def retain_pages(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> Ca
 def drop_pages(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheState:
     """Release references taken by `retain_pages` (pages [n], -1 = skip, no repeats)."""
     return _unref(cfg, state, pages)
+
+
+# ---------------------------------------------------------------- moving the hot/warm boundary
+
+def check_retier(old: HiSparseConfig, new: HiSparseConfig):
+    """`retier` moves only the hot/warm boundary: everything else must match."""
+    same = old.replace(hot_tokens=new.hot_tokens, warm_tokens=new.warm_tokens,
+                       budget_tokens=new.budget_tokens)
+    if same != new:
+        raise ValueError("retier changes hot_tokens/warm_tokens (and budget_tokens) only")
+    if new.hot_tokens > old.hot_tokens:
+        raise ValueError(f"retier shrinks the hot window: {old.hot_tokens} -> "
+                         f"{new.hot_tokens} tokens would need tokens fp8 no longer has in bf16")
+    if new.hot_tokens + new.warm_tokens != old.hot_tokens + old.warm_tokens:
+        raise ValueError("retier keeps the cold boundary: hot_tokens + warm_tokens must stay "
+                         f"{old.hot_tokens + old.warm_tokens}, got "
+                         f"{new.hot_tokens + new.warm_tokens}")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="implementation")
+def retier(old: HiSparseConfig, new: HiSparseConfig, state: CacheState, *,
+           implementation=None) -> CacheState:
+    """The same sequences laid out for `new` (a smaller hot window, the warm tier
+    grown by as much): tokens leaving the hot window are fp8-encoded from their bf16
+    values, exactly as a decode append moves them, so the result equals a cache
+    that ran under `new` all along. Cold pages, digests and page tables are not
+    touched. `check_retier(old, new)` must hold."""
+    bf16_old, fp8_old = slot_positions(old, state.seq_lens)   # [B, Tb], [B, Tw]
+    bf16_new, fp8_new = slot_positions(new, state.seq_lens)
+
+    def source(pos_new, pos_old):  # slot of each new position in an old ring, -1 if absent
+        match = (pos_new[:, :, None] == pos_old[:, None, :]) & (pos_new[:, :, None] >= 0)
+        return jnp.where(jnp.any(match, -1), jnp.argmax(match, -1), -1)
+
+    def take(x, slots):  # x [B, Hkv, T, ...] at slots [B, T'] (-1 -> 0)
+        idx = jnp.maximum(slots, 0)[:, None, :]
+        idx = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
+        got = jnp.take_along_axis(x, idx, axis=2)
+        return jnp.where((slots >= 0).reshape(slots.shape[0], 1, -1, *(1,) * (x.ndim - 3)),
+                         got, jnp.zeros((), x.dtype))
+
+    from_bf16 = source(bf16_new, bf16_old)
+    from_fp8 = source(fp8_new, fp8_old)
+    demoted = source(fp8_new, bf16_old)        # warm now, hot before: encode
+    encode_fp8 = _encoders(implementation)[0]
+    enc_k, enc_ks = encode_fp8(take(state.bf16_k, demoted).astype(jnp.float32))
+    enc_v, enc_vs = encode_fp8(take(state.bf16_v, demoted).astype(jnp.float32))
+    use_enc = (demoted >= 0)[:, None, :]
+
+    def warm(codes, scales, enc, enc_s):
+        kept, kept_s = take(codes, from_fp8), take(scales, from_fp8)
+        return (jnp.where(use_enc[..., None], enc, kept),
+                jnp.where(use_enc, enc_s, kept_s))
+
+    fk, fks = warm(state.fp8_k, state.fp8_k_scale, enc_k, enc_ks)
+    fv, fvs = warm(state.fp8_v, state.fp8_v_scale, enc_v, enc_vs)
+    return state.replace(bf16_k=take(state.bf16_k, from_bf16),
+                         bf16_v=take(state.bf16_v, from_bf16),
+                         fp8_k=fk, fp8_v=fv, fp8_k_scale=fks, fp8_v_scale=fvs)
