@@ -188,6 +188,27 @@ class HiSparseCache:
         self.num_free = int(self.state.num_free)  # shared pages make this data dependent
 
     # ------------------------------------------------------------ reads
+    def counters(self) -> dict:
+        """Host-side counters for a metrics endpoint: tokens per tier (live, over all
+        sequences), cold pages referenced by page tables, pool pages in use (shared
+        pages once) and free, and the prefix index's hits, misses, collisions and
+        evictions (zero without an index)."""
+        c = self.cfg
+        lens = self.seq_lens
+        pg, s = c.page_size, c.sink_pages
+        sink = np.minimum(lens, s * pg)
+        hot_start = np.maximum(s, (lens - 1) // pg - c.hot_pages + 1)  # first hot page
+        hot = np.maximum(0, lens - hot_start * pg)
+        warm = lens - sink - hot - st.num_cold_pages(c, lens) * pg
+        out = {"sink_tokens": int(sink.sum()), "hot_tokens": int(hot.sum()),
+               "warm_tokens": int(warm.sum()),
+               "cold_pages": int(st.num_cold_pages(c, lens).sum()),
+               "pool_pages_used": c.pool_pages - self.num_free, "pool_pages_free": self.num_free}
+        stats = self.prefix.stats if self.prefix is not None else {}
+        for k in ("hits", "misses", "collisions", "evictions"):
+            out[f"prefix_{k}"] = int(stats.get(k, 0))
+        return out
+
     def attend(self, q, *, return_selection=False):
         """Decode attention for q [B, Hq, D] -> [B, Hq, D] float32."""
         c = self.cfg

@@ -222,6 +222,10 @@ class OffloadedCache:
         return (self.state.digest_center[heads, pool], self.state.digest_radius[heads, pool])
 
     def counters(self) -> dict:
-        out = scheduler.counters(self.sched, self.cfg)
+        """The scheduler's counters (selected, hits, misses, fetched, prefetched,
+        evictions, hit_rate, host->device bytes), the cache's tier and prefix
+        counters, and the resident cold pages."""
+        out = {**self.checks.counters(), **scheduler.counters(self.sched, self.cfg)}
+        out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
         out["host_to_device_bytes_copied"] = self.host_to_device_bytes
         return out
