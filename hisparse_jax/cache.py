@@ -9,6 +9,10 @@ With a `PrefixIndex`, prefill reuses the cold pages of an equal, verified
 prefix (by reference, no copy), registers its own, and `prewarm` pins a
 document's pages for later sequences. Unpinned prefixes nobody uses are
 evicted first when the pool runs short.
+
+In offload mode (`offload.OffloadedCache`) a `cold_store` keeps the int4 codes:
+prefill and append hand it every new cold page, release tells it the sequence
+is gone; everything else here is unchanged.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class HiSparseCache:
         self.seq_lens = np.zeros(cfg.max_seqs, np.int64)
         self.num_free = cfg.pool_pages
         self.seq_hashes: dict[int, list] = {}  # prefix entries each sequence holds
+        self.cold_store = None  # offload mode: where new cold pages go (OffloadedCache)
         log.info(layout.summary_line(cfg))
 
     # ------------------------------------------------------------ checks
@@ -112,8 +117,14 @@ class HiSparseCache:
         if pad:
             k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
             v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
-        self.state = st.prefill(c, self.state, jnp.int32(seq), k, v, jnp.int32(t),
-                                jnp.asarray(shared), implementation=self.implementation)
+        args = (c, self.state, jnp.int32(seq), k, v, jnp.int32(t), jnp.asarray(shared))
+        if self.cold_store is None:
+            self.state = st.prefill(*args, implementation=self.implementation)
+        else:
+            self.cold_store.forget(seq)
+            self.state, pool_ids, cold = st.prefill_offload(
+                *args, implementation=self.implementation)
+            self.cold_store.store(pool_ids, cold)
         self.seq_lens[seq] = t
         self.num_free -= need
         if self.prefix is not None and tokens is not None:
@@ -173,8 +184,13 @@ class HiSparseCache:
         after = self.seq_lens + active
         need = self._check_room(after, self.seq_lens)
         self._make_room(need)
-        self.state = st.append_token(c, self.state, jnp.asarray(k), jnp.asarray(v),
-                                     jnp.asarray(active), implementation=self.implementation)
+        args = (c, self.state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(active))
+        if self.cold_store is None:
+            self.state = st.append_token(*args, implementation=self.implementation)
+        else:
+            self.state, pool_ids, cold = st.append_token_offload(
+                *args, implementation=self.implementation)
+            self.cold_store.store(pool_ids, cold)
         self.seq_lens = after
         self.num_free -= need
 
@@ -186,6 +202,8 @@ class HiSparseCache:
             self.prefix.release(self.seq_hashes.pop(seq))
         self.seq_lens[seq] = 0
         self.num_free = int(self.state.num_free)  # shared pages make this data dependent
+        if self.cold_store is not None:
+            self.cold_store.forget(seq)
 
     # ------------------------------------------------------------ reads
     def counters(self) -> dict:

@@ -7,6 +7,11 @@ pages to copy in, the host copies exactly those (and nothing else crosses the
 bus), and attention reads the working set. The bytes are the same ones the
 all-resident cache would read, so the outputs are equal bit for bit.
 
+The `HiSparseCache` handed in keeps doing everything else (input checks,
+prefill, append, release, prefix sharing, prewarm); this class is its
+`cold_store`: new cold pages go to the host, released sequences leave the
+working set. Shared prefix pages are one host page, as they are one pool page.
+
 Host memory is a numpy array here (a device_put of a host gather is the copy);
 on a GPU the same path is a host->device transfer.
 """
@@ -32,6 +37,13 @@ HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 def _put_pages(ws, heads, slots, pages):
     """Write fetched pages into working-set slots: ws [Hkv, B*W, ...]."""
     return {f: ws[f].at[heads, slots].set(pages[f], mode="drop") for f in ws}
+
+
+@jax.jit
+def _pool_pages(page_table, logical):
+    """Pool page of each logical page: page_table [B, N], logical [B, Hkv, W] (-1 kept)."""
+    pool = jnp.take_along_axis(page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
+    return jnp.where(logical >= 0, pool, -1)
 
 
 @jax.jit
@@ -62,10 +74,9 @@ def _move_slots(ws, src):
 
 
 class OffloadedCache:
-    """A filled HiSparseCache with its cold codes moved to host memory.
-
-    Supports decode appends and attention; prefill and release stay on the
-    all-resident HiSparseCache (build, then offload).
+    """A HiSparseCache (empty or filled, with or without a prefix index) whose cold
+    codes live in host memory from now on. prefill / append / release / prewarm /
+    attend / counters work as on the cache.
 
     device_budget (bytes): the device memory this cache may use. Over it, the
     cache moves to the least degraded `pressure.levels` that fits (smaller hot
@@ -77,8 +88,8 @@ class OffloadedCache:
     def __init__(self, cache: HiSparseCache, working_set: int | None = None,
                  policy: scheduler.Policy | None = None, device_budget: int | None = None):
         cfg = cache.cfg
-        if cache.prefix is not None:
-            raise ValueError("offload of a cache with a prefix index is not supported yet")
+        if cache.cold_store is not None:
+            raise ValueError("this cache is already offloaded")
         w = working_set or 2 * cfg.budget_pages
         if w < cfg.budget_pages:
             raise ValueError(f"working_set={w} must hold the selection budget "
@@ -93,26 +104,60 @@ class OffloadedCache:
         self.nominal = cfg  # the configured tiers; pressure levels derive from it
         self.working_set_multiple = w / cfg.budget_pages
         self.implementation = cache.implementation
-        self.checks = cache  # host-side mirrors and input checks
+        self.cache = cache  # checks, host mirrors, prefix index and the device state
         self.working_set = w
         state = cache.state
         self.host = {f: np.array(getattr(state, f)) for f in HOST_FIELDS}
         # The device state keeps no cold codes: empty arrays of the right rank.
-        self.state = state.replace(**{
+        cache.state = state.replace(**{
             f: jnp.zeros((cfg.num_kv_heads, 0) + getattr(state, f).shape[2:],
                          getattr(state, f).dtype) for f in HOST_FIELDS})
-        cache.state = None  # the handle gave its buffers away
+        cache.cold_store = self
         b = cfg.max_seqs
         self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
                                 self.host[f].dtype) for f in HOST_FIELDS}
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
-        self.page_table = np.array(state.page_table)  # host mirror for copy addresses
         self.host_to_device_bytes = 0
         if device_budget is not None:
             self.fit_device_budget(device_budget)
         host = sum(x.nbytes for x in self.host.values())
         log.info(layout.summary_line(self.cfg, device_bytes=self.device_bytes(),
                                      host_bytes=host))
+
+    @property
+    def state(self):
+        return self.cache.state
+
+    @property
+    def prefix(self):
+        return self.cache.prefix
+
+    # ------------------------------------------------------------ the cache's cold store
+    def store(self, pool_ids, cold):
+        """New cold pages from prefill/append: pool_ids [n] (>= pool size: none),
+        cold {field: [n, Hkv, page, ...]} -> the host pool."""
+        pool_ids = np.asarray(pool_ids)
+        made = np.flatnonzero(pool_ids < self.cfg.pool_pages)
+        if made.size:
+            for f in HOST_FIELDS:
+                self.host[f][:, pool_ids[made]] = np.swapaxes(np.asarray(cold[f])[made], 0, 1)
+
+    def forget(self, seq):
+        """Sequence `seq` is empty: none of its pages may stay resident."""
+        self.sched = scheduler.forget_sequence(self.sched, seq)
+
+    # ------------------------------------------------------------ the cache's API
+    def prefill(self, seq: int, k, v, tokens=None):
+        self.cache.prefill(seq, k, v, tokens)
+
+    def prewarm(self, context_id: str, tokens, k, v, seq: int | None = None):
+        self.cache.prewarm(context_id, tokens, k, v, seq)
+
+    def append(self, k, v, active=None):
+        self.cache.append(k, v, active)
+
+    def release(self, seq: int):
+        self.cache.release(seq)
 
     # ------------------------------------------------------------ memory pressure
     def device_bytes(self) -> int:
@@ -152,7 +197,8 @@ class OffloadedCache:
                                   self.state)
         if lvl.hot_tokens != self.cfg.hot_tokens or lvl.warm_tokens != self.cfg.warm_tokens:
             st.check_retier(self.cfg, lvl)
-            self.state = st.retier(self.cfg, lvl, self.state, implementation=self.implementation)
+            self.cache.state = st.retier(self.cfg, lvl, self.state,
+                                         implementation=self.implementation)
         if w != self.working_set:
             self.sched, src = scheduler.resize(self.sched, w)
             self.ws = _move_slots(self.ws, src)
@@ -162,37 +208,16 @@ class OffloadedCache:
                      "%d tokens, working set %d pages", budget, lvl.hot_tokens,
                      lvl.budget_tokens, w)
         self.cfg = lvl
-        self.checks.cfg = lvl
+        self.cache.cfg = lvl
         return lvl
-
-    def append(self, k, v, active=None):
-        c = self.cfg
-        self.checks._check_kv("k", k, (c.max_seqs, c.num_kv_heads, c.head_dim))
-        self.checks._check_kv("v", v, (c.max_seqs, c.num_kv_heads, c.head_dim))
-        active = (np.ones(c.max_seqs, bool) if active is None
-                  else np.asarray(active, bool).reshape(c.max_seqs))
-        after = self.checks.seq_lens + active
-        need = self.checks._check_room(after, self.checks.seq_lens)
-        self.checks._make_room(need)  # raises CacheFullError, changes nothing
-        self.state, pool_ids, cold = st.append_token_offload(
-            c, self.state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(active),
-            implementation=self.implementation)
-        pool_ids = np.asarray(pool_ids)
-        made = np.flatnonzero(pool_ids < c.pool_pages)
-        for f in HOST_FIELDS:  # device -> host: the new cold pages
-            if made.size:
-                self.host[f][:, pool_ids[made]] = np.swapaxes(np.asarray(cold[f])[made], 0, 1)
-        self.page_table = np.array(self.state.page_table)
-        self.checks.seq_lens = after
-        self.checks.num_free -= need
 
     def attend(self, q, *, return_selection=False):
         c = self.cfg
-        self.checks._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
+        self.cache._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
         q = jnp.asarray(q)
         logical, _ = select_pages(c, self.state, q, implementation=self.implementation)
         plan = scheduler.plan(self.sched, logical)
-        self._copy_in(np.asarray(plan.fetch))
+        self._copy_in(np.asarray(_pool_pages(self.state.page_table, plan.fetch)))
         self.sched = scheduler.apply(self.sched, plan)
         slots = _slots_of(self.sched.resident, logical)
         digest = self._working_set_digests()
@@ -201,12 +226,12 @@ class OffloadedCache:
                                 implementation=self.implementation)
         return (out, logical) if return_selection else out
 
-    def _copy_in(self, fetch):
-        """Host -> device: exactly the pages the plan fetches ([B, Hkv, W] logical)."""
-        b, h, w = np.nonzero(fetch >= 0)
+    def _copy_in(self, fetch_pool):
+        """Host -> device: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
+        b, h, w = np.nonzero(fetch_pool >= 0)
         if not b.size:
             return
-        pool = self.page_table[b, fetch[b, h, w]]
+        pool = fetch_pool[b, h, w]
         pages = {f: jnp.asarray(self.host[f][h, pool]) for f in HOST_FIELDS}
         self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
         self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
@@ -225,7 +250,7 @@ class OffloadedCache:
         """The scheduler's counters (selected, hits, misses, fetched, prefetched,
         evictions, hit_rate, host->device bytes), the cache's tier and prefix
         counters, and the resident cold pages."""
-        out = {**self.checks.counters(), **scheduler.counters(self.sched, self.cfg)}
+        out = {**self.cache.counters(), **scheduler.counters(self.sched, self.cfg)}
         out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
         out["host_to_device_bytes_copied"] = self.host_to_device_bytes
         return out

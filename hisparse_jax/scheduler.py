@@ -287,6 +287,15 @@ def resize(state: SchedulerState, working_set: int) -> tuple[SchedulerState, jax
                          last_used=take(state.last_used, -1), counters=counters), src
 
 
+@jax.jit
+def forget_sequence(state: SchedulerState, seq) -> SchedulerState:
+    """Empty sequence `seq`'s working set (it was released: its logical page ids
+    will name another sequence's pages)."""
+    return state.replace(resident=state.resident.at[seq].set(-1),
+                         score=state.score.at[seq].set(0.0),
+                         last_used=state.last_used.at[seq].set(-1))
+
+
 def step(state, selected_pages, prev_layer_selected=None, candidates=None):
     p = plan(state, selected_pages, prev_layer_selected, candidates)
     return apply(state, p), p

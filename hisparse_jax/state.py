@@ -141,6 +141,26 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
             v: jax.Array, length: jax.Array, shared: jax.Array | None = None, *,
             implementation=None) -> CacheState:
     """Fill the empty sequence `seq` with the first `length` tokens of k, v.
+    See `_prefill`."""
+    return _prefill(cfg, state, seq, k, v, length, shared, implementation)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="implementation",
+                   donate_argnums=1)
+def prefill_offload(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array,
+                    v: jax.Array, length: jax.Array, shared: jax.Array | None = None, *,
+                    implementation=None):
+    """`prefill` for a state whose int4 pool lives elsewhere (offload mode): also
+    returns the new cold pages for the caller to store.
+
+    returns (state, pool_ids [T/page] int32 (>= pool size where the page is not a
+             new cold page), {int4_k, int4_v, int4_v_scale, int4_v_zero}: [T/page, Hkv, page, ...])
+    """
+    return _prefill(cfg, state, seq, k, v, length, shared, implementation)
+
+
+def _prefill(cfg, state, seq, k, v, length, shared, implementation):
+    """Fill the empty sequence `seq` with the first `length` tokens of k, v.
 
     k, v: [T, Hkv, D] with T a multiple of page_size (padding after `length` is
     ignored, whatever it holds). Every page goes straight to its final tier,
@@ -183,12 +203,13 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
     rank = jnp.cumsum(is_new) - 1  # rank of page among newly stored cold pages
     pool_ids = jnp.where(is_new, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
                          cfg.pool_pages)
-    state, _ = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids, implementation)
+    state, new_cold = _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids,
+                                            implementation)
     row = jnp.where(is_shared, shared, jnp.where(is_new, pool_ids, -1)).astype(jnp.int32)
     table_row = jnp.full((cfg.max_pages,), -1, jnp.int32).at[jnp.arange(npg)].set(
         row, mode="drop")
     refcount = state.refcount.at[jnp.where(row >= 0, row, cfg.pool_pages)].add(1, mode="drop")
-    return state.replace(
+    state = state.replace(
         bf16_k=state.bf16_k.at[seq].set(bf16_k), bf16_v=state.bf16_v.at[seq].set(bf16_v),
         fp8_k=state.fp8_k.at[seq].set(fk), fp8_v=state.fp8_v.at[seq].set(fv),
         fp8_k_scale=state.fp8_k_scale.at[seq].set(fks),
@@ -196,6 +217,7 @@ def prefill(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: jax.Array
         page_table=state.page_table.at[seq].set(table_row),
         seq_lens=state.seq_lens.at[seq].set(length), refcount=refcount,
         num_free=state.num_free - jnp.sum(is_new).astype(jnp.int32))
+    return state, pool_ids.astype(jnp.int32), new_cold
 
 
 # ---------------------------------------------------------------- decode append

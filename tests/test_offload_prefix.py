@@ -1,0 +1,110 @@
+"""Offload mode with everything else the cache does: prefix sharing, prewarm,
+prefill and release after offloading, eviction of unused prefixes. Every step's
+output must equal an all-resident cache given the same calls, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse_jax.cache import CacheFullError, HiSparseCache
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.offload import OffloadedCache
+from hisparse_jax.prefix import PrefixIndex
+
+CFG = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=4096, max_seqs=3,
+                     budget_tokens=256, num_pool_pages=320)
+
+
+def _kv_for(tokens):
+    """K/V as a function of (token, position): equal prefixes give equal K/V."""
+    t = np.asarray(tokens, np.int64)[:, None, None]
+    pos = np.arange(len(tokens))[:, None, None]
+    ch = np.arange(1, 2 * 64 + 1).reshape(1, 2, 64)
+    return (2 * np.sin((t * 0.37 + pos * 0.011) * ch * 0.13).astype(np.float32),
+            np.cos((t * 0.53 + pos * 0.007) * ch * 0.07).astype(np.float32))
+
+
+class Pair:
+    """The same calls on an offloaded cache and on an all-resident one."""
+
+    def __init__(self, offload_after_prewarm: bool):
+        self.ref = HiSparseCache(CFG, implementation="xla", prefix=PrefixIndex(CFG.page_size))
+        self.raw = HiSparseCache(CFG, implementation="xla", prefix=PrefixIndex(CFG.page_size))
+        self.doc = np.random.default_rng(0).integers(0, 50000, 1500)
+        self.off = None if offload_after_prewarm else OffloadedCache(self.raw)
+        for c in self.caches():
+            c.prewarm("doc", self.doc, *_kv_for(self.doc))
+        if self.off is None:
+            self.off = OffloadedCache(self.raw)
+        self.tokens: dict[int, list] = {}
+
+    def caches(self):
+        return [self.ref, self.off or self.raw]
+
+    def prefill(self, seq, toks):
+        for c in self.caches():
+            c.prefill(seq, *_kv_for(toks), tokens=toks)
+        self.tokens[seq] = list(toks)
+
+    def append(self, rng):
+        active = self.ref.seq_lens > 0
+        kk = np.zeros((3, 2, 64), np.float32)
+        vv = np.zeros_like(kk)
+        for s in np.flatnonzero(active):
+            self.tokens[s].append(int(rng.integers(0, 50000)))
+            k, v = _kv_for(self.tokens[s])
+            kk[s], vv[s] = k[-1], v[-1]
+        for c in self.caches():
+            c.append(kk, vv, active=active)
+
+    def release(self, seq):
+        for c in self.caches():
+            c.release(seq)
+        self.tokens.pop(seq)
+
+    def check(self, rng):
+        q = rng.normal(size=(3, CFG.num_q_heads, 64)).astype(np.float32)
+        out, ref = np.asarray(self.off.attend(q)), np.asarray(self.ref.attend(q))
+        for s in self.tokens:
+            np.testing.assert_array_equal(out[s], ref[s])
+        np.testing.assert_array_equal(np.asarray(self.off.state.page_table),
+                                      np.asarray(self.ref.state.page_table))
+        assert self.off.cache.num_free == self.ref.num_free
+
+
+@pytest.mark.parametrize("offload_after_prewarm", [True, False])
+def test_offload_with_prefix_sharing_prefill_and_release(offload_after_prewarm):
+    rng = np.random.default_rng(1)
+    pair = Pair(offload_after_prewarm)
+    doc = pair.doc
+    pair.prefill(0, np.concatenate([doc, rng.integers(0, 50000, 300)]))
+    free = pair.off.cache.num_free
+    pair.prefill(1, np.concatenate([doc, rng.integers(0, 50000, 700)]))
+    # the shared document is stored once: seq 1 only adds its own pages
+    assert free - pair.off.cache.num_free < 700 // CFG.page_size + 2
+    assert pair.off.counters()["prefix_hits"] > 0
+    for step in range(20):
+        pair.append(rng)
+        pair.check(rng)
+        if step == 6:
+            pair.release(0)  # its working set is forgotten; shared pages stay
+        if step == 9:        # a new sequence in the released slot: no stale residents
+            pair.prefill(0, rng.integers(0, 50000, 1900))
+    # Pool pressure: the pinned document is evicted only once unpinned.
+    with pytest.raises(CacheFullError):
+        for c in pair.caches():
+            c.prefill(2, *_kv_for(rng.integers(0, 50000, 4000)))
+    for c in pair.caches():
+        c.prefix.unpin("doc")
+    pair.release(1)
+    pair.prefill(2, rng.integers(0, 50000, 3900))  # needs the document's pages
+    assert pair.off.counters()["prefix_evictions"] > 0
+    pair.append(rng)
+    pair.check(rng)
+
+
+def test_offloading_twice_is_refused():
+    off = OffloadedCache(HiSparseCache(CFG, implementation="xla"))
+    with pytest.raises(ValueError, match="already offloaded"):
+        OffloadedCache(off.cache)
