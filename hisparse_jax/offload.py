@@ -12,8 +12,12 @@ prefill, append, release, prefix sharing, prewarm); this class is its
 `cold_store`: new cold pages go to the host, released sequences leave the
 working set. Shared prefix pages are one host page, as they are one pool page.
 
-Host memory is a numpy array here (a device_put of a host gather is the copy);
-on a GPU the same path is a host->device transfer.
+The host pool is a set of JAX arrays in host memory: `memory_kind="pinned_host"`
+where the platform has it (GPUs, and the CPU backend of jax 0.11), else
+"unpinned_host". New cold pages are scattered into it and fetched pages gathered
+from it by XLA computations placed on the host (`compute_on("device_host")`),
+and the gathered pages alone are copied to device memory: the same code path on
+a CPU and on a GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
+from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
@@ -31,6 +37,41 @@ from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
 
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
+
+
+def host_memory_kind(device) -> str:
+    """The host memory kind cold pages live in on `device`'s platform."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return kind
+    raise ValueError(f"{device} has no host memory kind (has {sorted(kinds)}); offload "
+                     "mode needs jax memory kinds")
+
+
+@compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _host_scatter(pool, pool_ids, pages):
+    return pool.at[:, pool_ids].set(jnp.swapaxes(pages, 0, 1), mode="drop")
+
+
+@compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _host_gather(pool, heads, pool_ids):
+    return pool[heads, pool_ids]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _store_pages(host, pool, pool_ids, pages):
+    """Scatter new cold pages into the host pool (pool_ids >= pool size dropped).
+    pool [Hkv, P, ...] in host memory; pages [n, Hkv, ...] on the device."""
+    return _host_scatter(pool, jax.device_put(pool_ids, host), jax.device_put(pages, host))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _fetch_pages(host, device, pool, heads, pool_ids):
+    """Gather pages (heads[i], pool_ids[i]) on the host, then copy them alone to
+    the device."""
+    rows = _host_gather(pool, jax.device_put(heads, host), jax.device_put(pool_ids, host))
+    return jax.device_put(rows, device)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -107,7 +148,11 @@ class OffloadedCache:
         self.cache = cache  # checks, host mirrors, prefix index and the device state
         self.working_set = w
         state = cache.state
-        self.host = {f: np.array(getattr(state, f)) for f in HOST_FIELDS}
+        device = next(iter(state.int4_k.devices()))
+        self.memory_kind = host_memory_kind(device)
+        self._host = SingleDeviceSharding(device, memory_kind=self.memory_kind)
+        self._device = SingleDeviceSharding(device, memory_kind="device")
+        self.host = {f: jax.device_put(getattr(state, f), self._host) for f in HOST_FIELDS}
         # The device state keeps no cold codes: empty arrays of the right rank.
         cache.state = state.replace(**{
             f: jnp.zeros((cfg.num_kv_heads, 0) + getattr(state, f).shape[2:],
@@ -120,9 +165,8 @@ class OffloadedCache:
         self.host_to_device_bytes = 0
         if device_budget is not None:
             self.fit_device_budget(device_budget)
-        host = sum(x.nbytes for x in self.host.values())
         log.info(layout.summary_line(self.cfg, device_bytes=self.device_bytes(),
-                                     host_bytes=host))
+                                     host_bytes=layout.nbytes(self.host)))
 
     @property
     def state(self):
@@ -136,11 +180,8 @@ class OffloadedCache:
     def store(self, pool_ids, cold):
         """New cold pages from prefill/append: pool_ids [n] (>= pool size: none),
         cold {field: [n, Hkv, page, ...]} -> the host pool."""
-        pool_ids = np.asarray(pool_ids)
-        made = np.flatnonzero(pool_ids < self.cfg.pool_pages)
-        if made.size:
-            for f in HOST_FIELDS:
-                self.host[f][:, pool_ids[made]] = np.swapaxes(np.asarray(cold[f])[made], 0, 1)
+        for f in HOST_FIELDS:
+            self.host[f] = _store_pages(self._host, self.host[f], pool_ids, cold[f])
 
     def forget(self, seq):
         """Sequence `seq` is empty: none of its pages may stay resident."""
@@ -231,8 +272,9 @@ class OffloadedCache:
         b, h, w = np.nonzero(fetch_pool >= 0)
         if not b.size:
             return
-        pool = fetch_pool[b, h, w]
-        pages = {f: jnp.asarray(self.host[f][h, pool]) for f in HOST_FIELDS}
+        heads, pool = jnp.asarray(h, jnp.int32), jnp.asarray(fetch_pool[b, h, w], jnp.int32)
+        pages = {f: _fetch_pages(self._host, self._device, self.host[f], heads, pool)
+                 for f in HOST_FIELDS}
         self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
         self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
                              pages)

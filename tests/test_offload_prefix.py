@@ -108,3 +108,19 @@ def test_offloading_twice_is_refused():
     off = OffloadedCache(HiSparseCache(CFG, implementation="xla"))
     with pytest.raises(ValueError, match="already offloaded"):
         OffloadedCache(off.cache)
+
+
+def test_cold_pages_live_in_host_memory():
+    cache = HiSparseCache(CFG, implementation="xla")
+    x = np.random.default_rng(3).normal(size=(3000, 2, 64)).astype(np.float32)
+    cache.prefill(0, x, x)
+    before = {f: np.asarray(getattr(cache.state, f)) for f in ("int4_k", "int4_v_scale")}
+    off = OffloadedCache(cache)
+    kinds = {m.kind for m in off.state.int4_k.devices().pop().addressable_memories()}
+    assert off.memory_kind == ("pinned_host" if "pinned_host" in kinds else "unpinned_host")
+    for f, arr in off.host.items():
+        assert arr.sharding.memory_kind == off.memory_kind
+        assert getattr(off.state, f).shape[1] == 0  # no cold codes left on the device
+        assert off.ws[f].sharding.memory_kind == "device"
+    for f, arr in before.items():  # moved, not changed
+        np.testing.assert_array_equal(np.asarray(off.host[f]), arr)
