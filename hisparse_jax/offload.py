@@ -267,6 +267,25 @@ class OffloadedCache:
                                 implementation=self.implementation)
         return (out, logical) if return_selection else out
 
+    def prefetch(self, pages):
+        """Layer-ahead prefetch: `pages` [B, Hkv, K'] (logical, -1 = none) is the
+        layer below's selection at this step (`attend(..., return_selection=True)`
+        of that layer's cache), the best predictor of this layer's. Call it before
+        this layer's `attend`; the copies are dispatched asynchronously, so on a
+        GPU they overlap the layer below's attention. Fetches at most the policy's
+        `max_prefetch` pages per (sequence, KV head), never evicting the last
+        step's selection; LRU fetches nothing."""
+        pages = jnp.asarray(pages, jnp.int32)
+        c = self.cfg
+        if pages.ndim != 3 or pages.shape[:2] != (c.max_seqs, c.num_kv_heads):
+            raise ValueError(f"pages must be [{c.max_seqs}, {c.num_kv_heads}, K], "
+                             f"got {tuple(pages.shape)}")
+        if self.sched.policy.kind == "lru":
+            return
+        plan = scheduler.plan_prefetch(self.sched, pages)
+        self._copy_in(np.asarray(_pool_pages(self.state.page_table, plan.fetch)))
+        self.sched = scheduler.apply_prefetch(self.sched, plan)
+
     def _copy_in(self, fetch_pool):
         """Host -> device: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
         b, h, w = np.nonzero(fetch_pool >= 0)

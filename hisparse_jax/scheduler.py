@@ -144,18 +144,24 @@ def _dedup(x):
     return jnp.where(jnp.any(earlier, axis=1) | (x < 0), -1, x)
 
 
-def _plan_row(policy: Policy, step, res, score, last, sel, pred, n_fetchable=None):
+def _plan_row(policy: Policy, step, res, score, last, sel, pred, n_fetchable=None,
+              between_steps=False):
     """One (sequence, KV head). res/score/last [W], sel [K], pred [C] (ordered by
     preference; only the first n_fetchable may be fetched, the rest only protect
-    resident pages). Returns the row's plan fields."""
+    resident pages). between_steps: a prefetch before this step's selection (sel
+    is empty): the last step's selection stays protected and nothing decays.
+    Returns the row's plan fields."""
     W, K = res.shape[0], sel.shape[0]
     sel = _dedup(sel)
     valid_res = res >= 0
     res_sel = _member(res, sel)                      # [W] resident and selected
+    if between_steps:
+        res_sel = valid_res & (last == step - 1)     # protected as if selected now
     hit = _member(sel, res)                          # [K]
     missed = jnp.where((sel >= 0) & ~hit, sel, -1)   # [K] must be fetched
-    score = jnp.where(valid_res, policy.decay * score + res_sel, 0.0)
-    last = jnp.where(res_sel, step, last)
+    if not between_steps:
+        score = jnp.where(valid_res, policy.decay * score + res_sel, 0.0)
+        last = jnp.where(res_sel, step, last)
 
     if policy.kind == "predictive":
         pred = _dedup(pred)
@@ -255,6 +261,28 @@ def apply(state: SchedulerState, p: Plan) -> SchedulerState:
     """Commit a plan (after the host issued its copies)."""
     return state.replace(resident=p.resident, score=p.score, last_used=p.last_used,
                          step=state.step + 1, counters=state.counters + p.delta)
+
+
+@jax.jit
+def plan_prefetch(state: SchedulerState, pages: jax.Array) -> Plan:
+    """Layer-ahead prefetch, before this step's selection: pages [B, Hkv, K'] are
+    what the layer below selected at this step (its next-layer prediction). Up
+    to `max_prefetch` of them that are not resident are fetched, never in place
+    of the last step's selection; LRU prefetches nothing. Commit with
+    `apply_prefetch` (the step does not advance)."""
+    b, h = pages.shape[:2]
+    row = functools.partial(_plan_row, state.policy, state.step, between_steps=True)
+    fetch, evict, predicted, hit, res, score, last, delta = jax.vmap(jax.vmap(row))(
+        state.resident, state.score, state.last_used, jnp.full((b, h, 1), -1, jnp.int32),
+        pages.astype(jnp.int32))
+    return Plan(fetch=fetch, evict=evict, predicted=predicted, hit=hit, resident=res,
+                score=score, last_used=last, delta=jnp.sum(delta, axis=(0, 1)))
+
+
+@jax.jit
+def apply_prefetch(state: SchedulerState, p: Plan) -> SchedulerState:
+    return state.replace(resident=p.resident, score=p.score, last_used=p.last_used,
+                         counters=state.counters + p.delta)
 
 
 @functools.partial(jax.jit, static_argnums=1)

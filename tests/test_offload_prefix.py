@@ -124,3 +124,51 @@ def test_cold_pages_live_in_host_memory():
         assert off.ws[f].sharding.memory_kind == "device"
     for f, arr in before.items():  # moved, not changed
         np.testing.assert_array_equal(np.asarray(off.host[f]), arr)
+
+
+def test_layer_ahead_prefetch_raises_hits_and_keeps_outputs_exact():
+    """Two layers over one workload: the layer below's selection, handed to the next
+    layer's `prefetch` before it attends, turns misses into hits; outputs stay equal
+    to an all-resident cache, and the last step's selection is never evicted."""
+    from hisparse_jax import scheduler
+    from hisparse_jax.config import preset
+    from hisparse_jax.workloads import make_workload
+    wl = make_workload(context=4096, num_kv_heads=2, num_queries=4, seed=3)
+    cfg = preset("default").replace(num_kv_heads=2, max_context=4096, budget_tokens=256)
+    rng = np.random.default_rng(0)
+    q = np.asarray(wl.q)
+    jitter = 0.15 * np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(q.shape[-1])
+    steps = [q[t // 6] + jitter[t // 6] * rng.standard_normal(q.shape[1:]) for t in range(24)]
+    upper = [s + jitter[t // 6] * rng.standard_normal(s.shape) for t, s in enumerate(steps)]
+
+    def layer(policy):
+        c = HiSparseCache(cfg, implementation="xla")
+        c.prefill(0, wl.k, wl.v)
+        return OffloadedCache(c, policy=policy)
+
+    ref = HiSparseCache(cfg, implementation="xla")
+    ref.prefill(0, wl.k, wl.v)
+    hit_rates = {}
+    for name, policy, ahead in (("plain", scheduler.Policy(), False),
+                                ("ahead", scheduler.Policy(), True),
+                                ("lru", scheduler.LRU, True)):
+        below, above = layer(policy), layer(policy)
+        last = None
+        for s, u in zip(steps, upper):
+            _, sel = below.attend(s[None].astype(np.float32), return_selection=True)
+            if ahead:
+                above.prefetch(sel)
+                if last is not None:  # the last step's selection stayed resident
+                    res = np.asarray(above.sched.resident)
+                    for h in range(2):
+                        assert set(last[0, h][last[0, h] >= 0]) <= set(res[0, h])
+            out, last = above.attend(u[None].astype(np.float32), return_selection=True)
+            last = np.asarray(last)
+            np.testing.assert_array_equal(np.asarray(out),
+                                          np.asarray(ref.attend(u[None].astype(np.float32))))
+        hit_rates[name] = above.counters()["hit_rate"]
+        if name == "lru":
+            assert above.counters()["prefetched"] == 0
+    assert hit_rates["ahead"] > hit_rates["plain"] + 0.02, hit_rates
+    with pytest.raises(ValueError, match="pages must be"):
+        above.prefetch(np.zeros((3, 2), np.int32))
