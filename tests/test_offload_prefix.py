@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 
 from hisparse_jax.cache import CacheFullError, HiSparseCache
 from hisparse_jax.config import HiSparseConfig
@@ -172,3 +174,83 @@ def test_layer_ahead_prefetch_raises_hits_and_keeps_outputs_exact():
     assert hit_rates["ahead"] > hit_rates["plain"] + 0.02, hit_rates
     with pytest.raises(ValueError, match="pages must be"):
         above.prefetch(np.zeros((3, 2), np.int32))
+
+
+OPS = hs.lists(hs.tuples(hs.sampled_from(["prefill", "append", "release", "prewarm", "evict"]),
+                         hs.integers(0, 2), hs.integers(0, 2), hs.integers(300, 1800)),
+               min_size=3, max_size=9)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, hs.integers(0, 9))
+def test_random_interleavings_with_offload(ops, offload_at):
+    """Append, release, prewarm, eviction and an offload at any point: page
+    accounting never leaks or aliases, the host pool holds every live cold page's
+    bytes, and outputs equal an all-resident twin given the same calls."""
+    cfg = CFG.replace(max_context=2048, num_pool_pages=200)
+    twin = HiSparseCache(cfg, implementation="xla", prefix=PrefixIndex(cfg.page_size))
+    cache = HiSparseCache(cfg, implementation="xla", prefix=PrefixIndex(cfg.page_size))
+    handle = cache
+    bases = [np.random.default_rng(s).integers(0, 50000, 2048) for s in range(3)]
+    tokens: dict[int, list] = {}
+    for i, (op, seq, base, n) in enumerate(ops + [("end", 0, 0, 0)]):
+        if i >= min(offload_at, len(ops)) and handle is cache:
+            handle = OffloadedCache(cache)
+        calls = []
+        if op == "prefill" and twin.seq_lens[seq] == 0:
+            toks = bases[base][:n].copy()
+            toks[n // 2:] += seq + 1  # sequences diverge half way
+            calls = [lambda c, s=seq, t=toks: c.prefill(s, *_kv_for(t), tokens=t)]
+            new_tokens = {seq: list(toks)}
+        elif op == "append" and twin.seq_lens.any():
+            active = twin.seq_lens > 0
+            new_tokens = {s: tokens[s] + [int(bases[base][-1 - s])] for s in np.flatnonzero(active)}
+            kk = np.zeros((3, 2, 64), np.float32)
+            vv = np.zeros_like(kk)
+            for s, t in new_tokens.items():
+                k, v = _kv_for(t)
+                kk[s], vv[s] = k[-1], v[-1]
+            calls = [lambda c, k=kk, v=vv, a=active: c.append(k, v, active=a)]
+        elif op == "release" and twin.seq_lens[seq]:
+            calls = [lambda c, s=seq: c.release(s)]
+            new_tokens = {}
+            tokens.pop(seq)
+        elif op == "prewarm" and (twin.seq_lens == 0).any() and f"d{base}-{n}" not in twin.prefix.contexts:
+            doc = bases[base][:n]
+            calls = [lambda c, d=doc, name=f"d{base}-{n}": c.prewarm(name, d, *_kv_for(d))]
+            new_tokens = {}
+        elif op == "evict":
+            def evict(c):
+                for ctx in list(c.prefix.contexts):
+                    c.prefix.unpin(ctx)
+                inner = getattr(c, "cache", c)
+                inner._make_room(inner.num_free + 1 if inner.num_free < cfg.pool_pages else 0)
+            calls = [evict]
+            new_tokens = {}
+        for call in calls:
+            outcomes = []
+            for c in (twin, handle):
+                try:
+                    call(c)
+                    outcomes.append(True)
+                except CacheFullError:
+                    outcomes.append(False)
+            assert outcomes[0] == outcomes[1]
+            if outcomes[0]:
+                tokens.update(new_tokens)
+        st = cache.state
+        np.testing.assert_array_equal(np.asarray(st.page_table), np.asarray(twin.state.page_table))
+        np.testing.assert_array_equal(np.asarray(st.refcount), np.asarray(twin.state.refcount))
+        nfree = int(st.num_free)
+        assert nfree == cache.num_free == twin.num_free
+        free = set(np.asarray(st.free_pages)[:nfree].tolist())
+        assert len(free) == nfree and not free & set(np.flatnonzero(np.asarray(st.refcount)))
+    assert handle is not cache
+    used = np.flatnonzero(np.asarray(twin.state.refcount))  # their codes are on the host
+    for f, arr in handle.host.items():
+        np.testing.assert_array_equal(np.asarray(arr)[:, used],
+                                      np.asarray(getattr(twin.state, f))[:, used])
+    q = np.random.default_rng(9).normal(size=(3, cfg.num_q_heads, 64)).astype(np.float32)
+    out, ref = np.asarray(handle.attend(q)), np.asarray(twin.attend(q))
+    for s in tokens:
+        np.testing.assert_array_equal(out[s], ref[s])
