@@ -21,11 +21,11 @@ def _kv(rng, s, cfg):
 @pytest.mark.parametrize("page,gqa,length", [
     (16, 1, 1), (16, 4, 37), (16, 4, 700), (32, 8, 1001), (64, 2, 2048), (16, 2, 528),
 ])
-def test_full_budget_equals_dequantized_reference(page, gqa, length):
+def test_full_budget_equals_dequantized_reference(page, gqa, length, implementation):
     cfg = HiSparseConfig(page_size=page, gqa_group=gqa, sink_tokens=16, **SMALL)
     rng = np.random.default_rng(length)
     k, v = _kv(rng, length, cfg)
-    cache = HiSparseCache(cfg)
+    cache = HiSparseCache(cfg, implementation)
     cache.prefill(1, k, v)
     q = rng.normal(size=(2, cfg.num_q_heads, cfg.head_dim)).astype(np.float32)
     out = np.asarray(cache.attend(q))
@@ -35,14 +35,14 @@ def test_full_budget_equals_dequantized_reference(page, gqa, length):
 
 
 @pytest.mark.parametrize("page,warm", [(16, 384), (16, 0), (32, 64)])
-def test_decode_appends_match_prefill(page, warm):
+def test_decode_appends_match_prefill(page, warm, implementation):
     """Token-by-token appends reach the same tiers as one prefill; cold pages made by
     re-encoding fp8 are close to those encoded from the source."""
     cfg = HiSparseConfig(page_size=page, warm_tokens=warm, gqa_group=2, **SMALL)
     rng = np.random.default_rng(page + warm)
     n0, n = 300, 1200
     k, v = _kv(rng, n, cfg)
-    a, b = HiSparseCache(cfg), HiSparseCache(cfg)
+    a, b = HiSparseCache(cfg, implementation), HiSparseCache(cfg, implementation)
     a.prefill(0, k, v)
     b.prefill(0, k[:n0], v[:n0])
     for t in range(n0, n):
@@ -86,11 +86,11 @@ def _same(a, b):
     return all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def test_bad_input_changes_nothing():
+def test_bad_input_changes_nothing(implementation):
     cfg = HiSparseConfig(**SMALL)
     rng = np.random.default_rng(0)
     k, v = _kv(rng, 900, cfg)
-    cache = HiSparseCache(cfg)
+    cache = HiSparseCache(cfg, implementation)
     cache.prefill(0, k, v)
     before = _snapshot(cache)
     bad_calls = [
@@ -108,11 +108,11 @@ def test_bad_input_changes_nothing():
         assert _same(before, _snapshot(cache))
 
 
-def test_full_pool_refuses_and_changes_nothing():
+def test_full_pool_refuses_and_changes_nothing(implementation):
     cfg = HiSparseConfig(**{**SMALL, "max_seqs": 2}, num_pool_pages=40)
     rng = np.random.default_rng(0)
     k, v = _kv(rng, 1200, cfg)  # 1200 tokens -> 75 pages, 42 of them cold
-    cache = HiSparseCache(cfg)
+    cache = HiSparseCache(cfg, implementation)
     cache.prefill(0, k[:900], v[:900])  # 23 cold pages
     before = _snapshot(cache)
     with pytest.raises(CacheFullError, match="pool full"):
@@ -135,13 +135,13 @@ def test_full_pool_refuses_and_changes_nothing():
     cache.append(np.stack([k[0], k[0]]), np.stack([v[0], v[0]]), active=[False, True])
 
 
-def test_nan_in_one_sequence_never_reaches_another():
+def test_nan_in_one_sequence_never_reaches_another(implementation):
     cfg = HiSparseConfig(**{**SMALL, "budget_tokens": 64})
     rng = np.random.default_rng(3)
     k, v = _kv(rng, 1500, cfg)
-    clean = HiSparseCache(cfg)
+    clean = HiSparseCache(cfg, implementation)
     clean.prefill(0, k, v)
-    mixed = HiSparseCache(cfg)
+    mixed = HiSparseCache(cfg, implementation)
     mixed.prefill(0, k, v)
     kn, vn = k.copy(), v.copy()
     kn[::7] = np.nan
@@ -156,11 +156,11 @@ def test_nan_in_one_sequence_never_reaches_another():
     np.testing.assert_array_equal(a, b)
 
 
-def test_constant_keys_have_zero_range_and_finite_output():
+def test_constant_keys_have_zero_range_and_finite_output(implementation):
     cfg = HiSparseConfig(**SMALL)
     k = np.ones((1000, 2, 64), np.float32) * 0.5
     v = np.linspace(-1, 1, 1000 * 2 * 64).reshape(1000, 2, 64).astype(np.float32)
-    cache = HiSparseCache(cfg)
+    cache = HiSparseCache(cfg, implementation)
     cache.prefill(0, k, v)
     out = np.asarray(cache.attend(np.ones((2, cfg.num_q_heads, 64), np.float32)))
     assert np.all(np.isfinite(out))

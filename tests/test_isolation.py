@@ -20,14 +20,14 @@ def _run(cache, rng_seed, steps):
     return outs
 
 
-def test_two_caches_interleaved_equal_alone():
+def test_two_caches_interleaved_equal_alone(implementation):
     a_cfg = HiSparseConfig(num_kv_heads=2, gqa_group=4, head_dim=64, max_context=2048,
                            budget_tokens=128)
     b_cfg = HiSparseConfig(num_kv_heads=4, gqa_group=2, head_dim=128, page_size=32,
                            max_context=2048, budget_tokens=256)
-    alone_a = _run(HiSparseCache(a_cfg), 1, 20)
-    alone_b = _run(HiSparseCache(b_cfg), 2, 20)
-    a, b = HiSparseCache(a_cfg), HiSparseCache(b_cfg)
+    alone_a = _run(HiSparseCache(a_cfg, implementation), 1, 20)
+    alone_b = _run(HiSparseCache(b_cfg, implementation), 2, 20)
+    a, b = HiSparseCache(a_cfg, implementation), HiSparseCache(b_cfg, implementation)
     rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(2)
     ka = rng_a.normal(size=(1500, 2, 64)).astype(np.float32)
     kb = rng_b.normal(size=(1500, 4, 128)).astype(np.float32)

@@ -25,39 +25,51 @@ def _kv_for(tokens, hkv=2, d=64):
 
 CFG = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=12288, max_seqs=3,
                      budget_tokens=256)
+# Interpret-mode Pallas on a CPU is several times slower than XLA: the tests that
+# take `implementation` run it on the same cases at about a third of the tokens
+# (same tiers and budget, a shorter max_context).
+SMALL_CFG = CFG.replace(max_context=4096)
 
 
-def test_common_8k_prefix_is_stored_once():
+def _cfg(implementation):
+    return SMALL_CFG if implementation == "pallas" else CFG
+
+
+def test_common_prefix_is_stored_once(implementation):
+    """An 8K-token common prefix (2K under Pallas) is stored once and shared."""
+    cfg = _cfg(implementation)
+    n_prefix = 2048 if implementation == "pallas" else 8192
     rng = np.random.default_rng(0)
-    prefix = rng.integers(0, 50000, 8192)
+    prefix = rng.integers(0, 50000, n_prefix)
     a = np.concatenate([prefix, rng.integers(0, 50000, 1500)])
     b = np.concatenate([prefix, rng.integers(0, 50000, 900)])
-    cache = HiSparseCache(CFG, prefix=PrefixIndex(CFG.page_size))
+    cache = HiSparseCache(cfg, implementation, prefix=PrefixIndex(cfg.page_size))
     cache.prefill(0, *_kv_for(a), tokens=a)
     free_after_a = cache.num_free
     cache.prefill(1, *_kv_for(b), tokens=b)
     table = np.asarray(cache.state.page_table)
-    shared = [p for p in range(CFG.sink_pages, 8192 // 16) if table[1, p] >= 0]
-    assert len(shared) >= 8192 // 16 - CFG.sink_pages - 1
+    shared = [p for p in range(cfg.sink_pages, n_prefix // 16) if table[1, p] >= 0]
+    assert len(shared) >= n_prefix // 16 - cfg.sink_pages - 1
     assert all(table[0, p] == table[1, p] for p in shared)  # one copy
     # B stored only its own (non-prefix) cold pages.
     from hisparse_jax.state import num_cold_pages
-    own = int(num_cold_pages(CFG, len(b))) - len(shared)
+    own = int(num_cold_pages(cfg, len(b))) - len(shared)
     assert free_after_a - cache.num_free == own == free_after_a - int(cache.state.num_free)
     # B attends exactly as in a fresh cache without sharing.
-    fresh = HiSparseCache(CFG)
+    fresh = HiSparseCache(cfg, implementation)
     fresh.prefill(1, *_kv_for(b))
-    q = rng.normal(size=(3, CFG.num_q_heads, 64)).astype(np.float32)
+    q = rng.normal(size=(3, cfg.num_q_heads, 64)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(cache.attend(q))[1], np.asarray(fresh.attend(q))[1])
     # Releasing A keeps the shared pages alive for B (and the index).
     cache.release(0)
     np.testing.assert_array_equal(np.asarray(cache.attend(q))[1], np.asarray(fresh.attend(q))[1])
 
 
-def test_forced_collision_is_detected_and_not_reused():
+def test_forced_collision_is_detected_and_not_reused(implementation):
+    cfg = _cfg(implementation)
     collide = lambda prev, toks: 12345
-    index = PrefixIndex(CFG.page_size, hash_fn=collide)
-    cache = HiSparseCache(CFG, prefix=index)
+    index = PrefixIndex(cfg.page_size, hash_fn=collide)
+    cache = HiSparseCache(cfg, implementation, prefix=index)
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, 50000, 3000), rng.integers(0, 50000, 3000)
     cache.prefill(0, *_kv_for(a), tokens=a)
@@ -67,26 +79,34 @@ def test_forced_collision_is_detected_and_not_reused():
     table = np.asarray(cache.state.page_table)
     assert not set(table[0][table[0] >= 0]) & set(table[1][table[1] >= 0])  # nothing reused
     from hisparse_jax.state import num_cold_pages
-    assert free - cache.num_free == int(num_cold_pages(CFG, 3000))
+    assert free - cache.num_free == int(num_cold_pages(cfg, 3000))
 
 
-def test_prewarm_is_reused_and_unpinned_prefixes_are_evicted_first():
-    cfg = CFG.replace(num_pool_pages=700)
-    cache = HiSparseCache(cfg, prefix=PrefixIndex(cfg.page_size))
+# (pool pages, document tokens, big prefill tokens) per implementation. In cold
+# pages a document is 342 (xla) / 92 (pallas), big 311 / 80: the pinned document
+# and another one leave 16 / 4 of the pool free, so big must evict the unpinned
+# one, and then the other document no longer fits.
+PREWARM = {"xla": (700, 6000, 5500), "pallas": (188, 2000, 1800)}
+
+
+def test_prewarm_is_reused_and_unpinned_prefixes_are_evicted_first(implementation):
+    pool, n_doc, n_big = PREWARM[implementation]
+    cfg = _cfg(implementation).replace(num_pool_pages=pool)
+    cache = HiSparseCache(cfg, implementation, prefix=PrefixIndex(cfg.page_size))
     rng = np.random.default_rng(2)
-    doc = rng.integers(0, 50000, 6000)
+    doc = rng.integers(0, 50000, n_doc)
     cache.prewarm("manual", doc, *_kv_for(doc))
-    assert cache.seq_lens.sum() == 0 and cache.num_free < 700  # pinned pages stay
+    assert cache.seq_lens.sum() == 0 and cache.num_free < pool  # pinned pages stay
     pinned_free = cache.num_free
     q = np.concatenate([doc, rng.integers(0, 50000, 500)])
     cache.prefill(0, *_kv_for(q), tokens=q)
     assert pinned_free - cache.num_free <= 40  # only the new tail was stored
     cache.release(0)
     # An unpinned, unused prefix is evicted when the pool runs short; pinned stays.
-    other = rng.integers(0, 50000, 6000)
+    other = rng.integers(0, 50000, n_doc)
     cache.prefill(1, *_kv_for(other), tokens=other)
     cache.release(1)
-    big = rng.integers(0, 50000, 5500)
+    big = rng.integers(0, 50000, n_big)
     cache.prefill(2, *_kv_for(big), tokens=big)  # needs the unpinned pages back
     n, _ = cache.prefix.match(doc)
     assert n == len(doc) // cfg.page_size  # the prewarmed document is still indexed

@@ -1,0 +1,35 @@
+"""Shared fixtures.
+
+`implementation`: library tests that build caches and run attention or the
+encoders take it and pass it to HiSparseCache / evaluate, so they run under both
+implementations: "xla" (the references) and "pallas" (the Pallas kernels, in
+interpret mode on a CPU; compiled Triton on a GPU). Test ids start with [xla or
+[pallas. Tests of large cases (1M arithmetic, byte accounting without compute,
+quality at 32K/128K) do not take it and stay on the default implementation.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+PALLAS_WARNING = "ignore:The Pallas Triton backend is deprecated"
+
+
+@pytest.fixture(params=[
+    pytest.param("xla", id="xla"),
+    pytest.param("pallas", id="pallas", marks=pytest.mark.filterwarnings(PALLAS_WARNING)),
+])
+def implementation(request) -> str:
+    """The attention/encoder implementation a cache is built with."""
+    return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Every compiled XLA:CPU program keeps its own code mappings until it is
+    dropped. Kept for the whole run, the suite's programs pass Linux's
+    vm.max_map_count (65530 mappings) and a later compile segfaults; the suite
+    reached ~54K before the Pallas cases were added. Drop them after each module."""
+    yield
+    jax.clear_caches()
