@@ -36,7 +36,8 @@ def group_queries(cfg: HiSparseConfig, q: jax.Array) -> jax.Array:
 def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
     """The cold pages to attend per (sequence, KV head): each query head's top
     pages by Quest's upper bound (a `bound_share` of the budget split between
-    the group's heads), then the pages with the most estimated group mass.
+    the group's heads), then the two pages beside each head's top bound page (a
+    span's tail), then the pages with the most estimated group mass.
 
     q [B, Hq, D] -> (logical pages [B, Hkv, K] int32, pool pages [B, Hkv, K] int32,
     -1 where fewer than K cold pages exist). Sink, hot and warm pages have no page
@@ -53,10 +54,23 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
         per_head = max(1, per_head)
     per_head = min(per_head, k // g, bound.shape[-1])
     top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
+    # Spans (needles) are not page-aligned: the pages either side of each head's
+    # top bound page often hold the span's tail, whose few tokens neither the bound
+    # nor the centre ranks high. They come right after the bound picks.
+    n_pages = bound.shape[-1]
+    side = pages_b[..., :1] + jnp.array([-1, 1])          # [B, Hkv, G, 2]
+    side_ok = (side >= 0) & (side < n_pages) & (top_b[..., :1] > -jnp.inf)
+    side = jnp.clip(side, 0, n_pages - 1)
+    side_ok &= jnp.take_along_axis(bound, side, axis=-1) > -jnp.inf
+    top_b = jnp.concatenate([jnp.where(top_b > -jnp.inf, 2.0, -jnp.inf),
+                             jnp.where(side_ok, 1.5, -jnp.inf)], axis=-1)
+    pages_b = jnp.concatenate([pages_b, side], axis=-1)
     top_b = top_b.reshape(*top_b.shape[:2], -1)
     pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
-    # A page picked by several heads is kept once (`dup` marks its other copies).
-    order = jnp.argsort(pages_b, axis=-1)
+    # A page picked by several heads is kept once (`dup` marks its other copies): its
+    # best copy, bound picks before side pages before invalid entries.
+    rank = jnp.where(top_b == 2.0, 0, jnp.where(top_b > -jnp.inf, 1, 2))
+    order = jnp.argsort(pages_b * 4 + rank, axis=-1)
     sorted_pages = jnp.take_along_axis(pages_b, order, axis=-1)
     dup_sorted = jnp.concatenate([jnp.zeros_like(sorted_pages[..., :1], bool),
                                   sorted_pages[..., 1:] == sorted_pages[..., :-1]], axis=-1)
@@ -67,10 +81,11 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     # fill the budget: exactly k slots, bound pages first, centre pages by rank.
     b_i = jnp.arange(center.shape[0])[:, None, None]
     h_i = jnp.arange(center.shape[1])[None, :, None]
-    center = center.at[b_i, h_i, pages_b].set(-jnp.inf)
+    center = center.at[b_i, h_i, jnp.where(top_b > -jnp.inf, pages_b, n_pages)].set(
+        -jnp.inf, mode="drop")
     top_c, pages_c = jax.lax.top_k(center, k)
     priority = jnp.concatenate([
-        jnp.where(dup | (top_b == -jnp.inf), -jnp.inf, 2.0),
+        jnp.where(dup, -jnp.inf, top_b),
         jnp.where(top_c > -jnp.inf, 1.0 - jnp.arange(k) / k, -jnp.inf)], axis=-1)
     top, pick = jax.lax.top_k(priority, k)
     logical = jnp.take_along_axis(jnp.concatenate([pages_b, pages_c], axis=-1), pick, axis=-1)

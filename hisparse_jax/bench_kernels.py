@@ -256,8 +256,9 @@ def select(bound, center, table, k, bound_share=None):
     """Cold pool pages to attend [B, Hkv, k] (like hisparse_jax.attention.select_pages):
     a `bound_share` (None: HiSparseConfig's default) of the budget by Quest's bound
     (per query head when the bound is [B, Hkv, G, N]), the rest by centre score
-    among the pages not yet taken. Duplicate picks of several heads are kept (same
-    cost, same result on both sides)."""
+    among the pages not yet taken. Duplicate picks of several heads are kept, and
+    the library's side pages (beside each head's top bound page) are not added:
+    the same cost, the same result on both sides."""
     if bound_share is None:
         bound_share = HiSparseConfig().bound_share
     if bound.ndim == 4:
