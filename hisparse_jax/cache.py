@@ -120,8 +120,7 @@ class HiSparseCache:
         args = (c, self.state, jnp.int32(seq), k, v, jnp.int32(t), jnp.asarray(shared))
         if self.cold_store is None:
             self.state = st.prefill(*args, implementation=self.implementation)
-        else:
-            self.cold_store.forget(seq)
+        else:  # the slot is empty: release (or offloading) left it no working set
             self.state, pool_ids, cold = st.prefill_offload(
                 *args, implementation=self.implementation)
             self.cold_store.store(pool_ids, cold)

@@ -39,6 +39,12 @@ from hisparse_jax.config import HiSparseConfig
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 
 
+def _without_cold_codes(state):
+    """The device state keeps no cold codes: empty arrays of the right rank."""
+    return state.replace(**{f: jnp.zeros((x.shape[0], 0) + x.shape[2:], x.dtype)
+                            for f in HOST_FIELDS for x in [getattr(state, f)]})
+
+
 def host_memory_kind(device) -> str:
     """The host memory kind cold pages live in on `device`'s platform."""
     kinds = {m.kind for m in device.addressable_memories()}
@@ -137,10 +143,7 @@ class OffloadedCache:
                              f"({cfg.budget_pages} pages)")
         if device_budget is not None:  # refuse before taking the cache's buffers
             self._pick_level(cfg, cfg, w / cfg.budget_pages, device_budget,
-                             jax.eval_shape(lambda s: s.replace(**{
-                                 f: jnp.zeros((cfg.num_kv_heads, 0) + getattr(s, f).shape[2:],
-                                              getattr(s, f).dtype) for f in HOST_FIELDS}),
-                                 cache.state))
+                             jax.eval_shape(_without_cold_codes, cache.state))
         self.cfg = cfg
         self.nominal = cfg  # the configured tiers; pressure levels derive from it
         self.working_set_multiple = w / cfg.budget_pages
@@ -153,10 +156,7 @@ class OffloadedCache:
         self._host = SingleDeviceSharding(device, memory_kind=self.memory_kind)
         self._device = SingleDeviceSharding(device, memory_kind="device")
         self.host = {f: jax.device_put(getattr(state, f), self._host) for f in HOST_FIELDS}
-        # The device state keeps no cold codes: empty arrays of the right rank.
-        cache.state = state.replace(**{
-            f: jnp.zeros((cfg.num_kv_heads, 0) + getattr(state, f).shape[2:],
-                         getattr(state, f).dtype) for f in HOST_FIELDS})
+        cache.state = _without_cold_codes(state)
         cache.cold_store = self
         b = cfg.max_seqs
         self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],

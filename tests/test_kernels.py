@@ -111,14 +111,17 @@ def test_lookup_matches_reference(case):
 @pytest.mark.parametrize("case", [*LOOKUP_CASES, LookupCase(2, 2, 4, 64, 5, 64)], ids=str)
 def test_lookup_reference_pool_and_row_scoring_agree(case, monkeypatch):
     """The reference scores the whole pool when it is small, else gathers each
-    sequence's digest rows: both must give the same bits."""
+    sequence's digest rows: the same scores up to f32 summation order. Run
+    eagerly, so each call reads the ratio (a jit reuses the first trace: the
+    earlier jitted version of this test compared one branch with itself)."""
     args = make_lookup(case)
     results = []
     for ratio in (0, 10**9):  # rows first, then pool first
         monkeypatch.setattr(lookup_ref, "POOL_SCORING_RATIO", ratio)
-        results.append(jax.jit(lookup_ref.page_scores)(*args))
+        results.append(lookup_ref.page_scores(*args))
     for rows, pool in zip(*results):
-        np.testing.assert_array_equal(rows, pool)
+        np.testing.assert_array_equal(np.isneginf(rows), np.isneginf(pool))
+        np.testing.assert_allclose(rows, pool, rtol=1e-6, atol=1e-6)
 
 
 def test_lookup_all_empty_row():
