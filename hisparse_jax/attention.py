@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,23 @@ def group_queries(cfg: HiSparseConfig, q: jax.Array) -> jax.Array:
     return q.reshape(q.shape[0], cfg.num_kv_heads, cfg.gqa_group, cfg.head_dim)
 
 
+class Selection(NamedTuple):
+    """What one decode step attends per (sequence, KV head), beside sink/hot/warm."""
+    pages: jax.Array        # [B, Hkv, K] int32 selected logical pages, -1 = none
+    sample: jax.Array       # [B, Hkv, n] int32 sampled unselected pages, -1 = none
+    sample_logw: jax.Array  # [B, Hkv, n] f32 log importance weight of each sample entry
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def select(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
+           implementation=None) -> Selection:
+    """The selected cold pages (`select_pages`) and an importance sample of the
+    others (`sample_tail`)."""
+    pages, mass = _select(cfg, state, q, implementation)
+    sample, logw = sample_tail(cfg, mass, pages, state.seq_lens)
+    return Selection(pages, sample, logw)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
     """The cold pages to attend per (sequence, KV head): each query head's top
@@ -43,9 +61,17 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     -1 where fewer than K cold pages exist). Sink, hot and warm pages have no page
     table entry, so they are never candidates.
     """
+    logical, _ = _select(cfg, state, q, implementation)
+    pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
+    return logical, jnp.where(logical >= 0, pool, -1).astype(jnp.int32)
+
+
+def _select(cfg, state, q, implementation):
+    """(selected logical pages [B, Hkv, K], estimated group mass of every page
+    [B, Hkv, N] (log, -inf = not a candidate))."""
     page_scores, _ = _ops(implementation)
-    bound, center = page_scores(group_queries(cfg, q), state.digest_center,
-                                state.digest_radius, state.page_table)
+    bound, mass = page_scores(group_queries(cfg, q), state.digest_center,
+                              state.digest_radius, state.page_table)
     k = min(cfg.budget_pages, cfg.max_pages)
     g = cfg.gqa_group
     # Bound pages per query head: at least one when bound_share > 0, never more than k.
@@ -79,9 +105,9 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
         jnp.arange(dup_sorted.shape[1])[None, :, None], order].set(dup_sorted)
     # Then the pages with the most estimated group mass, among those not yet taken,
     # fill the budget: exactly k slots, bound pages first, centre pages by rank.
-    b_i = jnp.arange(center.shape[0])[:, None, None]
-    h_i = jnp.arange(center.shape[1])[None, :, None]
-    center = center.at[b_i, h_i, jnp.where(top_b > -jnp.inf, pages_b, n_pages)].set(
+    b_i = jnp.arange(mass.shape[0])[:, None, None]
+    h_i = jnp.arange(mass.shape[1])[None, :, None]
+    center = mass.at[b_i, h_i, jnp.where(top_b > -jnp.inf, pages_b, n_pages)].set(
         -jnp.inf, mode="drop")
     top_c, pages_c = jax.lax.top_k(center, k)
     priority = jnp.concatenate([
@@ -90,9 +116,55 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     top, pick = jax.lax.top_k(priority, k)
     logical = jnp.take_along_axis(jnp.concatenate([pages_b, pages_c], axis=-1), pick, axis=-1)
     ok = top > -jnp.inf  # NaN scores (NaN keys) stay in their own sequence
-    logical = jnp.where(ok, logical, -1).astype(jnp.int32)
-    pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
-    return logical, jnp.where(ok, pool, -1).astype(jnp.int32)
+    return jnp.where(ok, logical, -1).astype(jnp.int32), mass
+
+
+# Share of the sampling proposal spread uniformly over the unselected pages (the
+# rest follows the digest's mass estimate): it caps every page's weight at
+# N / (n * share), so a page the digest underrates cannot blow up the estimate.
+# 0.1-0.5 measured alike (docs/results.md); 0 would trust the digest alone.
+TAIL_UNIFORM_SHARE = 0.25
+_TAIL_KEY = 0x7A11
+
+
+def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens: jax.Array):
+    """An importance sample of the cold pages selection left out (MagicPIG's idea
+    at page granularity): `cfg.sample_pages` draws per (sequence, KV head) by
+    systematic sampling, with probability p = 1/4 uniform + 3/4 the digest's
+    estimated mass share, each drawn page weighted 1/(n p). Attention over the
+    drawn pages with these weights is an unbiased estimate of the unselected pages'
+    softmax numerator and denominator, so their mass is estimated, not dropped.
+    The draw is a function of the sequence length (reproducible; equal under every
+    implementation and in offload mode).
+
+    mass [B, Hkv, N] log estimated mass (-inf = not a candidate); pages [B, Hkv, K]
+    the selection. Returns (logical pages [B, Hkv, n] int32, -1 = none, and their
+    log weights [B, Hkv, n] f32, 0 where none)."""
+    n = cfg.sample_pages
+    b, h, npg = mass.shape
+    if n == 0:
+        return jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), jnp.float32)
+    free = mass > -jnp.inf  # NaN estimates (NaN keys) are never drawn
+    free = free.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
+                   jnp.where(pages >= 0, pages, npg)].set(False, mode="drop")
+    top = jnp.max(jnp.where(free, mass, -jnp.inf), axis=-1, keepdims=True)
+    share = jnp.where(free, jnp.exp(mass - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    count = jnp.sum(free, axis=-1, keepdims=True)
+    p = (TAIL_UNIFORM_SHARE * free / jnp.maximum(count, 1)
+         + (1.0 - TAIL_UNIFORM_SHARE) * share / jnp.maximum(jnp.sum(share, -1, keepdims=True),
+                                                            1e-30))
+    cdf = jnp.cumsum(p, axis=-1)
+    total = cdf[..., -1:]
+    u = jax.vmap(lambda length: jax.random.uniform(
+        jax.random.fold_in(jax.random.key(_TAIL_KEY), length), (h,)))(seq_lens)
+    points = (u[..., None] + jnp.arange(n)) / n * total                 # [B, Hkv, n]
+    idx = jax.vmap(functools.partial(jnp.searchsorted, side="right"))(
+        cdf.reshape(b * h, npg), points.reshape(b * h, n)).reshape(b, h, n)
+    idx = jnp.minimum(idx, npg - 1)
+    p_idx = jnp.take_along_axis(p, idx, axis=-1) / total
+    ok = jnp.take_along_axis(free, idx, axis=-1) & (p_idx > 0)
+    logw = jnp.where(ok, -jnp.log(jnp.where(ok, n * p_idx, 1.0)), 0.0)
+    return jnp.where(ok, idx, -1).astype(jnp.int32), logw.astype(jnp.float32)
 
 
 COLD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero", "digest_center",
@@ -100,31 +172,46 @@ COLD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero", "digest_center
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
-def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: jax.Array, *,
+def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: jax.Array,
+                 sample: jax.Array | None = None, sample_logw: jax.Array | None = None, *,
                  implementation=None) -> jax.Array:
-    """Decode attention over sink + hot + warm + the given cold pages.
+    """Decode attention over sink + hot + warm + the given cold pages (+ an
+    importance sample of the others, weighted by exp(sample_logw)).
 
     q [B, Hq, D]; logical [B, Hkv, K] logical page ids (-1 = none; pages that are
-    not cold are ignored) -> out [B, Hq, D] float32.
+    not cold are ignored); sample, sample_logw [B, Hkv, n] (`sample_tail`)
+    -> out [B, Hq, D] float32.
     """
+    logical, logw = with_sample(logical, sample, sample_logw)
     pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
     pool = jnp.where(logical >= 0, pool, -1)
     cold = tuple(getattr(state, f) for f in COLD_FIELDS)
-    return attend_cold_slots(cfg, state, q, cold, pool, implementation=implementation)
+    return attend_cold_slots(cfg, state, q, cold, pool, logw, implementation=implementation)
+
+
+def with_sample(pages, sample=None, sample_logw=None):
+    """(the selected pages followed by the sample entries [B, Hkv, K + n], their log
+    weights: 0 for selected pages)."""
+    if sample is None:
+        return pages, jnp.zeros(pages.shape, jnp.float32)
+    return (jnp.concatenate([pages, sample], axis=-1),
+            jnp.concatenate([jnp.zeros(pages.shape, jnp.float32), sample_logw], axis=-1))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold: tuple,
-                      slots: jax.Array, *, implementation=None) -> jax.Array:
+                      slots: jax.Array, slot_logw: jax.Array, *, implementation=None
+                      ) -> jax.Array:
     """Decode attention whose cold pages are read from `cold` (arrays laid out like
-    the state's pool, COLD_FIELDS order) at `slots` [B, Hkv, K] (-1 = none): the
-    state's own pool, or an offload working set."""
+    the state's pool, COLD_FIELDS order) at `slots` [B, Hkv, K] (-1 = none), each
+    weighted by exp(slot_logw) [B, Hkv, K]: the state's own pool, or an offload
+    working set."""
     _, sparse_decode = _ops(implementation)
     bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
     out, _ = sparse_decode(
         group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
         state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
-        *cold, slots, sm_scale=1.0 / math.sqrt(cfg.head_dim))
+        *cold, slots, sm_scale=1.0 / math.sqrt(cfg.head_dim), cold_logw=slot_logw)
     return out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
 
 
@@ -134,11 +221,13 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
     """HiSparse decode attention for one query per sequence, after its last append.
 
     q: [B, Hq, D] -> out [B, Hq, D] float32 (zeros for empty sequences).
-    With return_selection, also the selected logical pages [B, Hkv, K].
+    With return_selection, also the selected logical pages [B, Hkv, K] (the
+    sampled ones are not part of it).
     """
-    logical, _ = select_pages(cfg, state, q, implementation=implementation)
-    out = attend_pages(cfg, state, q, logical, implementation=implementation)
-    return (out, logical) if return_selection else out
+    sel = select(cfg, state, q, implementation=implementation)
+    out = attend_pages(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
+                       implementation=implementation)
+    return (out, sel.pages) if return_selection else out
 
 
 @jax.jit

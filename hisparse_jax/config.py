@@ -42,6 +42,11 @@ class HiSparseConfig:
     # few spiking keys: needles); the rest goes to the best page-centre scores
     # (ranks the spread mass of diffuse heads better). docs/results.md measures it.
     bound_share: float = 0.75
+    # Unselected cold pages sampled per (sequence, KV head) to estimate the
+    # attention they would get (importance sampling, weighted by 1/inclusion
+    # probability): the mass a 2K-token selection leaves out is estimated instead of
+    # dropped. 0 = off. docs/results.md measures it.
+    tail_sample_pages: int = 32
     max_context: int = 131072  # tokens per sequence
     max_seqs: int = 1
     num_pool_pages: int | None = None  # cold page pool; None = max_seqs full contexts
@@ -73,6 +78,8 @@ class HiSparseConfig:
         need(self.max_context % p == 0, "max_context", f"must be a multiple of page_size={p}")
         need(isinstance(self.bound_share, (int, float)) and 0.0 <= self.bound_share <= 1.0,
              "bound_share", "must be a number in [0, 1]")
+        need(isinstance(self.tail_sample_pages, int) and self.tail_sample_pages >= 0,
+             "tail_sample_pages", "must be a non-negative int")
         if self.num_pool_pages is not None:
             need(isinstance(self.num_pool_pages, int) and self.num_pool_pages >= 1,
                  "num_pool_pages", "must be a positive int or None")
@@ -113,6 +120,11 @@ class HiSparseConfig:
         if self.budget_tokens == FULL_BUDGET:
             return most
         return min(self.budget_tokens // self.page_size, most)
+
+    @property
+    def sample_pages(self) -> int:
+        """Unselected cold pages sampled per KV head (none when every page is selected)."""
+        return 0 if self.budget_tokens == FULL_BUDGET else self.tail_sample_pages
 
     def replace(self, **changes) -> HiSparseConfig:
         return dataclasses.replace(self, **changes)

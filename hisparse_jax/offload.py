@@ -32,7 +32,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.attention import attend_cold_slots, select_pages
+from hisparse_jax.attention import attend_cold_slots, select, with_sample
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
 
@@ -161,6 +161,12 @@ class OffloadedCache:
         b = cfg.max_seqs
         self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
                                 self.host[f].dtype) for f in HOST_FIELDS}
+        # This step's sampled pages that are not resident (`attention.sample_tail`):
+        # scratch, refilled every step, outside the scheduler's working set.
+        self.sample_ws = {f: jnp.zeros((cfg.num_kv_heads, b * cfg.sample_pages)
+                                       + self.host[f].shape[2:], self.host[f].dtype)
+                          for f in HOST_FIELDS}
+        self.sample_pages_copied = 0
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.host_to_device_bytes = 0
         if device_budget is not None:
@@ -204,7 +210,8 @@ class OffloadedCache:
     def device_bytes(self) -> int:
         """Every device byte this cache holds: tiers, digests, tables, working set
         and scheduler state."""
-        return layout.nbytes(self.state) + layout.nbytes(self.ws) + layout.nbytes(self.sched)
+        return (layout.nbytes(self.state) + layout.nbytes(self.ws)
+                + layout.nbytes(self.sample_ws) + layout.nbytes(self.sched))
 
     @staticmethod
     def _pick_level(nominal: HiSparseConfig, current: HiSparseConfig, multiple: float,
@@ -256,16 +263,36 @@ class OffloadedCache:
         c = self.cfg
         self.cache._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
         q = jnp.asarray(q)
-        logical, _ = select_pages(c, self.state, q, implementation=self.implementation)
+        sel = select(c, self.state, q, implementation=self.implementation)
+        logical = sel.pages
         plan = scheduler.plan(self.sched, logical)
         self._copy_in(np.asarray(_pool_pages(self.state.page_table, plan.fetch)))
         self.sched = scheduler.apply(self.sched, plan)
-        slots = _slots_of(self.sched.resident, logical)
-        digest = self._working_set_digests()
-        cold = tuple(self.ws[f] for f in HOST_FIELDS) + digest
-        out = attend_cold_slots(c, self.state, q, cold, slots,
+        slots = jnp.concatenate([_slots_of(self.sched.resident, logical),
+                                 self._sample_slots(sel.sample)], axis=-1)
+        _, logw = with_sample(logical, sel.sample, sel.sample_logw)
+        cold = tuple(jnp.concatenate([self.ws[f], self.sample_ws[f]], axis=1)
+                     for f in HOST_FIELDS) + self._digests(sel.sample)
+        out = attend_cold_slots(c, self.state, q, cold, slots, logw,
                                 implementation=self.implementation)
         return (out, logical) if return_selection else out
+
+    def _sample_slots(self, sample):
+        """Slots of this step's sampled pages [B, Hkv, n]: the working-set slot of a
+        resident one; the others are copied to the sample buffer (slot B*W + b*n + j)."""
+        resident = _slots_of(self.sched.resident, sample)
+        copy = (sample >= 0) & (resident < 0)
+        got = self._fetch(np.asarray(_pool_pages(self.state.page_table,
+                                                 jnp.where(copy, sample, -1))))
+        n = sample.shape[-1]
+        if got is not None:
+            b, h, j, pages = got
+            self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(b * n + j),
+                                        pages)
+            self.sample_pages_copied += len(b)
+        base = self.cfg.max_seqs * self.working_set
+        own = base + jnp.arange(sample.shape[0])[:, None, None] * n + jnp.arange(n)
+        return jnp.where(copy, own, resident).astype(jnp.int32)
 
     def prefetch(self, pages):
         """Layer-ahead prefetch: `pages` [B, Hkv, K'] (logical, -1 = none) is the
@@ -287,23 +314,35 @@ class OffloadedCache:
         self.sched = scheduler.apply_prefetch(self.sched, plan)
 
     def _copy_in(self, fetch_pool):
-        """Host -> device: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
+        """Host -> working set: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
+        got = self._fetch(fetch_pool)
+        if got is not None:
+            b, h, w, pages = got
+            self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
+                                 pages)
+
+    def _fetch(self, fetch_pool):
+        """Host -> device: the pages named in fetch_pool [B, Hkv, W] (pool pages, -1 =
+        none) -> (b, h, w, {field: pages}) of the named entries, or None."""
         b, h, w = np.nonzero(fetch_pool >= 0)
         if not b.size:
-            return
+            return None
         heads, pool = jnp.asarray(h, jnp.int32), jnp.asarray(fetch_pool[b, h, w], jnp.int32)
         pages = {f: _fetch_pages(self._host, self._device, self.host[f], heads, pool)
                  for f in HOST_FIELDS}
         self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
-        self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
-                             pages)
+        return b, h, w, pages
 
-    def _working_set_digests(self):
-        """Digest rows of the resident pages, laid out like the working set (device
-        to device: the digests never leave the device)."""
-        res = self.sched.resident  # [B, Hkv, W] logical
-        pool = jnp.take_along_axis(self.state.page_table[:, None, :], jnp.maximum(res, 0), axis=2)
-        pool = jnp.where(res >= 0, pool, 0).transpose(1, 0, 2).reshape(self.cfg.num_kv_heads, -1)
+    def _digests(self, sample):
+        """Digest rows laid out like the working set followed by the sample buffer
+        (device to device: the digests never leave the device)."""
+        rows = jnp.concatenate([self.sched.resident.transpose(1, 0, 2).reshape(
+            self.cfg.num_kv_heads, -1), sample.transpose(1, 0, 2).reshape(
+            self.cfg.num_kv_heads, -1)], axis=1)                     # [Hkv, B*W + B*n] logical
+        seq = jnp.concatenate([jnp.repeat(jnp.arange(self.cfg.max_seqs), self.working_set),
+                               jnp.repeat(jnp.arange(self.cfg.max_seqs), sample.shape[-1])])
+        pool = self.state.page_table[seq[None, :], jnp.maximum(rows, 0)]
+        pool = jnp.where(rows >= 0, pool, 0)
         heads = jnp.arange(self.cfg.num_kv_heads)[:, None]
         return (self.state.digest_center[heads, pool], self.state.digest_radius[heads, pool])
 
@@ -313,5 +352,6 @@ class OffloadedCache:
         counters, and the resident cold pages."""
         out = {**self.cache.counters(), **scheduler.counters(self.sched, self.cfg)}
         out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
+        out["sample_pages_copied"] = self.sample_pages_copied
         out["host_to_device_bytes_copied"] = self.host_to_device_bytes
         return out

@@ -115,8 +115,9 @@ def page_bytes(cfg: HiSparseConfig) -> int:
 
 def working_set_bytes(cfg: HiSparseConfig, working_set: int, batch: int = 1) -> int:
     """Device bytes of the working set of `batch` sequences, one layer, all KV heads:
-    the resident page data plus this module's state (equal to nbytes(init_state))."""
-    data = batch * cfg.num_kv_heads * working_set * page_bytes(cfg)
+    the resident page data, the buffer for the step's sampled pages
+    (`cfg.sample_pages`) and this module's state (equal to nbytes(init_state))."""
+    data = batch * cfg.num_kv_heads * (working_set + cfg.sample_pages) * page_bytes(cfg)
     per_slot = layout.I32 + layout.F32 + layout.I32     # resident, score, last_used
     meta = batch * cfg.num_kv_heads * working_set * per_slot + layout.I32 \
         + len(COUNTERS) * layout.I32

@@ -257,13 +257,21 @@ def make_decode(c: DecodeCase, seed=0):
             ids.astype(jnp.int32))
 
 
+def make_logw(c: DecodeCase, seed=1):
+    """Importance weights of the cold entries: log w in [-1, 5] (w up to ~150), as
+    sampled pages carry (attention.sample_tail)."""
+    return jax.random.uniform(jax.random.key(seed), (c.batch, c.kv_heads, c.cold), minval=-1.0,
+                              maxval=5.0)
+
+
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
 def test_sparse_decode_matches_reference(case):
     args = make_decode(case)
     scale = 1.0 / np.sqrt(case.head_dim)
-    out, lse = decode_kernel.sparse_decode(*args, sm_scale=scale, interpret=True,
-                                           config=case.config)
-    ref_out, ref_lse = decode_ref.sparse_decode(*args, sm_scale=scale)
+    logw = make_logw(case)
+    out, lse = decode_kernel.sparse_decode(*args, sm_scale=scale, cold_logw=logw,
+                                           interpret=True, config=case.config)
+    ref_out, ref_lse = decode_ref.sparse_decode(*args, sm_scale=scale, cold_logw=logw)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert np.isfinite(np.asarray(out)).all()
     assert not np.isnan(np.asarray(lse)).any()
@@ -272,6 +280,22 @@ def test_sparse_decode_matches_reference(case):
     np.testing.assert_allclose(lse, ref_lse, rtol=case.rtol, atol=case.atol)
     if case.no_valid:
         np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_cold_log_weight_counts_a_page_w_times():
+    """A page with log weight log(3) attends like three copies of it."""
+    case = DecodeCase(16, 64, 4, 21, 13, 3)
+    args = list(make_decode(case))
+    ids = args[-1]
+    scale = 1.0 / np.sqrt(case.head_dim)
+    once = decode_ref.sparse_decode(*args[:-1], ids[..., :1], sm_scale=scale,
+                                    cold_logw=jnp.full(ids[..., :1].shape, np.log(3.0)))
+    thrice = decode_ref.sparse_decode(*args[:-1], jnp.repeat(ids[..., :1], 3, axis=-1),
+                                      sm_scale=scale)
+    for a, b in zip(once, thrice):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    plain = decode_ref.sparse_decode(*args[:-1], ids[..., :1], sm_scale=scale)
+    assert not np.allclose(once[1], plain[1])  # the weight is not ignored
 
 
 def test_decode_config_validation():
@@ -288,7 +312,7 @@ def test_sparse_decode_cross_lowers_for_h200(page, head_dim, group):
     case = DecodeCase(page, head_dim, group, 21, 13, 5)
     args = make_decode(case)
     txt = cross_lower(lambda *a: decode_kernel.sparse_decode(
-        *a, sm_scale=0.1, interpret=False), *args)
+        *a[:-1], sm_scale=0.1, cold_logw=a[-1], interpret=False), *args, make_logw(case))
     assert_triton(txt, 3)  # bf16, fp8 and int4 parts
 
 

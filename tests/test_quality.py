@@ -36,9 +36,14 @@ def test_concentrated_heads(case):
     # Selection close to the oracle that keeps the truly heaviest pages under the
     # same budget: what is left is mass no 2K-token selection can reach here.
     assert s["recall_vs_oracle"] >= 0.98
-    assert s["selection_error_mean"] <= s["oracle_selection_error_mean"] + 0.015
     if name == "32k":
         assert s["recall_mean"] >= 0.95
+    # The mass left out is estimated from a sample of the unselected pages
+    # (measured 0.021 / 0.024 at 32K / 128K); selection alone cannot get there,
+    # not even the oracle's (0.065-0.078).
+    assert s["selection_error_mean"] <= 0.03
+    assert s["unsampled_selection_error_mean"] > 0.03
+    assert s["unsampled_selection_error_mean"] <= s["oracle_selection_error_mean"] + 0.015
 
 
 def test_every_head_kind_vs_oracle(case):
@@ -74,11 +79,13 @@ def test_random_pages_fail(case, monkeypatch):
     rng = np.random.default_rng(0)
     n_cold = cfg.max_pages - cfg.sink_pages - cfg.hot_pages - cfg.warm_pages
 
-    def random_select(cfg_, state, q, *, implementation=None):
+    real_select = attention._select
+
+    def random_select(cfg_, state, q, implementation):
+        _, mass = real_select(cfg_, state, q, implementation)  # the tail sample stays
         pages = rng.choice(n_cold, size=(q.shape[0], cfg_.num_kv_heads, cfg_.budget_pages))
-        logical = jax.numpy.asarray(pages + cfg_.sink_pages, jax.numpy.int32)
-        return logical, logical
-    monkeypatch.setattr(attention, "select_pages", random_select)
+        return jax.numpy.asarray(pages + cfg_.sink_pages, jax.numpy.int32), mass
+    monkeypatch.setattr(attention, "_select", random_select)
     jax.clear_caches()
     bad = evaluate(HiSparseConfig(), w.q, w.k, w.v)
     jax.clear_caches()

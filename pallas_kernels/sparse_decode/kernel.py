@@ -169,10 +169,12 @@ def _dense_kernel(q_ref, valid_ref, k_ref, v_ref, *rest, seq, kv_heads, block, n
     lse_ref[...] = lse
 
 
-def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_ref, lse_ref, *,
-                 page, pool_pages, head_dim, group, block, num_blocks, sm_scale, prec):
+def _cold_kernel(q_ref, ids_ref, lw_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_ref,
+                 lse_ref, *, page, pool_pages, head_dim, group, block, num_blocks, sm_scale,
+                 prec):
     # q_ref:    [Gp, D] f32                  this (b, h)
     # ids_ref:  [Kp] int32                   selected pool pages of (b, h), -1 = none
+    # lw_ref:   [Kp] f32                     log weight of each page (0 = selected)
     # k_ref, v_ref: [Hkv * P * page, D/2] u8 (ANY), row (h*P + id)*page + tok, half split
     # vs_ref, vz_ref: [Hkv * P * page * D/group] bf16 (ANY), value scale / zero per group
     # c_ref, r_ref: [Hkv * P * D] bf16 / e4m3 (ANY), key range centre / radius per page, channel
@@ -217,6 +219,7 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_r
     def body(i, carry):
         m, l, acc_lo, acc_hi = carry
         ids = ids_ref[pl.ds(slot0 + i * pb, pb)]                     # [PB]
+        lw = jnp.where(ids >= 0, lw_ref[pl.ds(slot0 + i * pb, pb)], 0.0)
         prow = h * pool_pages + jnp.maximum(ids, 0)                  # pool row of each page
         rows = ((prow[:, None] << log_page) + tok).reshape(block)    # [BT]
         valid = per_token(ids >= 0)                                  # [BT]
@@ -232,7 +235,8 @@ def _cold_kernel(q_ref, ids_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_ref, o_r
         k_l = jnp.where(keep, dequant_half(ku & 0xF, c_l - r_l, r_l * (2.0 / INT4_LEVELS)), 0.0)
         k_h = jnp.where(keep, dequant_half(ku >> 4, c_h - r_h, r_h * (2.0 / INT4_LEVELS)), 0.0)
         logits = _dot_nt(q_lo, k_l, prec) + _dot_nt(q_hi, k_h, prec)  # [Gp, BT]
-        m_new, alpha, p, l_new = _online_step((m, l), logits * sm_scale, valid)
+        logits = logits * sm_scale + per_token(lw)[None, :]
+        m_new, alpha, p, l_new = _online_step((m, l), logits, valid)
 
         vu = v_ref[rows, :]                                          # [BT, D/2] u8
         v_l = jnp.where(keep, values_half(vu & 0xF, 0, rows), 0.0)
@@ -305,8 +309,8 @@ def _dense_part(qp, k, v, valid, k_scale, v_scale, *, sm_scale, cfg, interpret, 
                  interpret, name, [None] * len(operands))
 
 
-def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_center, digest_radius, *,
-               sm_scale, cfg, interpret):
+def _cold_part(qp, cold_ids, cold_logw, int4_k, int4_v, v_scale, v_zero, digest_center,
+               digest_radius, *, sm_scale, cfg, interpret):
     b, hkv, gp, d = qp.shape
     _, p, page, half = int4_k.shape
     ngroups = v_scale.shape[-1]
@@ -321,23 +325,26 @@ def _cold_part(qp, cold_ids, int4_k, int4_v, v_scale, v_zero, digest_center, dig
     splits = -(-total_blocks // nblk)
     kp = -(-(splits * nblk * blk) // page)  # pages covered by the grid, padded with -1
     ids = cold_ids.astype(jnp.int32)
+    logw = cold_logw.astype(jnp.float32)
     if kp != kk:
         ids = jnp.pad(ids, ((0, 0), (0, 0), (0, kp - kk)), constant_values=-1)
+        logw = jnp.pad(logw, ((0, 0), (0, 0), (0, kp - kk)))
     kernel = functools.partial(_cold_kernel, page=page, pool_pages=p, head_dim=d, group=group,
                                block=blk, num_blocks=nblk, sm_scale=sm_scale,
                                prec=_PRECISIONS[cfg.precision])
-    operands = [ids, int4_k.reshape(hkv * p * page, half), int4_v.reshape(hkv * p * page, half),
+    operands = [ids, logw, int4_k.reshape(hkv * p * page, half),
+                int4_v.reshape(hkv * p * page, half),
                 v_scale.reshape(-1), v_zero.reshape(-1), digest_center.reshape(-1),
                 digest_radius.reshape(-1)]
     ids_spec = pl.BlockSpec((None, None, kp), lambda i, j, k: (i, j, 0))
-    return _call(kernel, (b, hkv, splits), qp, operands, [False] + [True] * 6, gp, d, cfg,
-                 interpret, "hisparse_decode_int4", [ids_spec] + [None] * 6)
+    return _call(kernel, (b, hkv, splits), qp, operands, [False, False] + [True] * 6, gp, d,
+                 cfg, interpret, "hisparse_decode_int4", [ids_spec, ids_spec] + [None] * 6)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
 def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
                    fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                   digest_radius, cold_ids, *, sm_scale, interpret, config):
+                   digest_radius, cold_ids, cold_logw, *, sm_scale, interpret, config):
     b, hkv, g, d = q.shape
     if not (is_pow2(d) and d >= 32):
         raise ValueError(f"head_dim must be a power of two >= 32, got {d}")
@@ -362,14 +369,14 @@ def _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8
         parts.append(trim(_dense_part(qp, fp8_k, fp8_v, fp8_valid, fp8_k_scale, fp8_v_scale,
                                       name="hisparse_decode_fp8", **kw)))
     if cold_ids.shape[2]:
-        parts.append(trim(_cold_part(qp, cold_ids, int4_k, int4_v, int4_v_scale, int4_v_zero,
-                                     digest_center, digest_radius, **kw)))
+        parts.append(trim(_cold_part(qp, cold_ids, cold_logw, int4_k, int4_v, int4_v_scale,
+                                     int4_v_zero, digest_center, digest_radius, **kw)))
     return merge_parts(parts)
 
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                  digest_radius, cold_ids, *, sm_scale, interpret=None,
+                  digest_radius, cold_ids, *, sm_scale, cold_logw=None, interpret=None,
                   config: DecodeConfig | None = None):
     """Pallas version of `reference.sparse_decode` (same arguments, same results).
 
@@ -384,12 +391,15 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     digest_center, digest_radius: [Hkv, P, D] bf16, e4m3  key range of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
     sm_scale:     Python float (static)
+    cold_logw:    [B, Hkv, K] f32          log weight of each cold page, None = 0
     interpret:    None = interpret mode unless on GPU
     config:       DecodeConfig, None = DecodeConfig()
     returns (out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32)
     """
     return _sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale,
                           fp8_v_scale, fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero,
-                          digest_center, digest_radius, cold_ids, sm_scale=float(sm_scale),
+                          digest_center, digest_radius, cold_ids,
+                          jnp.zeros(cold_ids.shape, jnp.float32) if cold_logw is None
+                          else cold_logw, sm_scale=float(sm_scale),
                           interpret=resolve_interpret(interpret),
                           config=config or DecodeConfig())

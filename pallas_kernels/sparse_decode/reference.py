@@ -42,7 +42,7 @@ def merge_parts(parts):
 
 
 def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
-                 cold_ids, sm_scale):
+                 cold_ids, cold_logw, sm_scale):
     """Selected int4 pages -> (out, lse), without building dequantized K/V tiles:
     logits = q.lo + (q * step).code per half; out = p.zero + (p * scale).code.
     Codes are uint8 (always finite); the per-page ranges and scales of unselected
@@ -64,7 +64,8 @@ def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, di
     logits = (jnp.einsum("bhgd,bhkd->bhgk", q, lo)[..., None]
               + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., :half], (kc & 0xF).astype(jnp.float32))
               + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., half:], (kc >> 4).astype(jnp.float32)))
-    logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale, -jnp.inf)
+    logw = jnp.where(ok, cold_logw.astype(jnp.float32), 0.0)[:, :, None, :, None]
+    logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale + logw, -jnp.inf)
     m = jnp.max(logits, axis=(-2, -1))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
@@ -91,7 +92,7 @@ def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, di
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                  digest_radius, cold_ids, *, sm_scale):
+                  digest_radius, cold_ids, *, sm_scale, cold_logw=None):
     """Decode attention of one query per sequence over its attended set.
 
     q:            [B, Hkv, G, D] float32
@@ -104,9 +105,14 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     int4_v_scale, int4_v_zero: [Hkv, P, page, D/group] bf16
     digest_center, digest_radius: [Hkv, P, D] bf16, e4m3  key range of each page (int4 key grid)
     cold_ids:     [B, Hkv, K] int32        selected pool pages, -1 = none
+    cold_logw:    [B, Hkv, K] f32          log weight added to each cold page's logits
+                                           (an importance-sampled page counts w times);
+                                           None = 0
     returns (out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32)
     """
     q = q.astype(jnp.float32)
+    if cold_logw is None:
+        cold_logw = jnp.zeros(cold_ids.shape, jnp.float32)
     hkv = q.shape[1]
 
     def tile(valid):  # [B, T] -> [B, Hkv, T]
@@ -119,5 +125,5 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
                                  decode_fp8(fp8_v, fp8_v_scale), tile(fp8_valid), sm_scale))
     if cold_ids.shape[2]:
         parts.append(_attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                                  digest_radius, cold_ids, sm_scale))
+                                  digest_radius, cold_ids, cold_logw, sm_scale))
     return merge_parts(parts)
