@@ -45,7 +45,7 @@ from hisparse_jax.bench_kernels import (  # shared with `hisparse bench kernels`
     make_ops,
     op_bytes,
     rel_err,
-    select,
+    select_with_sample,
     time_fn,
 )
 from pallas_kernels.lookup import kernel as lookup_kernel
@@ -114,7 +114,8 @@ def checks(interpret, dry_run):
                      "ok": bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))})
     # sparse decode, with NaN in masked slots and unused pool page 0
     bound, center = ref
-    cold = select(bound, center, arrays["page_table"], dims["cold_pages"])
+    cold, logw = select_with_sample(bound, center, arrays["page_table"], dims["cold_pages"],
+                                    dims["sample_pages"])
     cold = cold.at[:, :, -2:].set(-1)
     cold = jnp.where(cold == 0, -1, cold)  # pool page 0 is poisoned below: only -1 reaches it
     a = dict(arrays)
@@ -126,10 +127,10 @@ def checks(interpret, dry_run):
     dargs = [a[n] for n in DECODE_ARGS] + [cold]
     for prec in ("bf16x3", "f32", "bf16"):
         cfg = decode_kernel.DecodeConfig(precision=prec)
-        o, lse = decode_kernel.sparse_decode(*dargs, sm_scale=1 / math.sqrt(d),
+        o, lse = decode_kernel.sparse_decode(*dargs, sm_scale=1 / math.sqrt(d), cold_logw=logw,
                                              interpret=interpret, config=cfg)
-        ro, rlse = jax.jit(lambda *x: decode_ref.sparse_decode(*x, sm_scale=1 / math.sqrt(d)))(
-            *dargs)
+        ro, rlse = jax.jit(lambda *x: decode_ref.sparse_decode(
+            *x, sm_scale=1 / math.sqrt(d), cold_logw=logw))(*dargs)
         tol = {"bf16x3": 1e-4, "f32": 1e-4, "bf16": 3e-2}[prec]
         err = max(rel_err(o, ro), rel_err(lse, rlse))
         rows.append({"kind": "check", "kernel": f"sparse_decode[{prec}]", "max_rel_err": err,
@@ -267,8 +268,9 @@ def main(argv=None):
                     bound, center = lookup_ref.page_scores(
                         arrays["q"], arrays["digest_center"], arrays["digest_radius"],
                         arrays["page_table"])
-                    a = dict(arrays, cold_ids=select(bound, center, arrays["page_table"],
-                                                     dims["cold_pages"]))
+                    ids, logw = select_with_sample(bound, center, arrays["page_table"],
+                                                   dims["cold_pages"], dims["sample_pages"])
+                    a = dict(arrays, cold_ids=ids, cold_logw=logw)
                 try:
                     out, t = time_fn(steps[impl], a, iters, warmup)
                 except Exception as e:  # noqa: BLE001 -- one failing case must not hide the rest

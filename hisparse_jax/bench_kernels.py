@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hisparse_jax.attention import sample_tail
 from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.lookup import kernel as lookup_kernel
 from pallas_kernels.lookup import reference as lookup_ref
@@ -118,6 +119,8 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
     recent = hot // page + warm // page
     candidates = max(0, n - sink_pages - recent)
     k_sel = min(budget // page, candidates)
+    # The importance sample of unselected pages (attention.sample_tail), read too.
+    n_sample = min(HiSparseConfig().tail_sample_pages, candidates - k_sel)
     per_page = h * page * (d // 2)
     pool = max(1, min(b * n, INT32_LIMIT // per_page))
     arrays = _make_arrays(key, b=b, h=h, g=g, d=d, page=page, tb=tb, tw=tw, n=n, pool=pool,
@@ -125,7 +128,7 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
                           context=context, with_dense=with_dense)
     dims = {"batch": b, "context": context, "kv_heads": h, "q_heads": h * g, "head_dim": d,
             "page": page, "bf16_tokens": tb, "fp8_tokens": tw, "candidate_pages": candidates,
-            "cold_pages": k_sel, "pool_pages": pool, "pool_aliased": pool < b * n,
+            "cold_pages": k_sel, "sample_pages": n_sample, "pool_pages": pool, "pool_aliased": pool < b * n,
             "value_group": value_group}
     return arrays, dims
 
@@ -239,7 +242,8 @@ def op_bytes(dims: dict, op: str) -> int:
     tb, tw = dims["bf16_tokens"], dims["fp8_tokens"]
     bf16 = b * h * tb * d * 2 * 2 + b * tb
     fp8 = b * h * tw * (d * 2 + 2 * 4) + b * tw
-    cold = b * h * dims["cold_pages"] * (4 + page * (d // 2) * 2 + page * ng * 2 * 2 + digest_row)
+    cold = b * h * (dims["cold_pages"] + dims.get("sample_pages", 0)) * (
+        4 + 4 + page * (d // 2) * 2 + page * ng * 2 * 2 + digest_row)  # id, log weight, ...
     if op == "lookup":
         return q_bytes + lookup
     if op == "sparse_decode":
@@ -253,7 +257,8 @@ def op_bytes(dims: dict, op: str) -> int:
 
 
 def select(bound, center, table, k, bound_share=None):
-    """Cold pool pages to attend [B, Hkv, k] (like hisparse_jax.attention.select_pages):
+    """Cold pool pages to attend [B, Hkv, k] and their logical pages (like
+    hisparse_jax.attention.select_pages):
     a `bound_share` (None: HiSparseConfig's default) of the budget by Quest's bound
     (per query head when the bound is [B, Hkv, G, N]), the rest by centre score
     among the pages not yet taken. Duplicate picks of several heads are kept, and
@@ -276,7 +281,22 @@ def select(bound, center, table, k, bound_share=None):
     top = jnp.concatenate([top_b, top_c], axis=-1)
     logical = jnp.concatenate([pages_b, pages_c], axis=-1)
     pool = jnp.take_along_axis(table[:, None, :], logical, axis=2)
-    return jnp.where(top > -jnp.inf, pool, -1).astype(jnp.int32)
+    return jnp.where(top > -jnp.inf, pool, -1).astype(jnp.int32), \
+        jnp.where(top > -jnp.inf, logical, -1).astype(jnp.int32)
+
+
+def select_with_sample(bound, center, table, k, n, bound_share=None):
+    """`select`'s k pages, then n sampled from the others as the library does
+    (`attention.sample_tail`): (pool pages [B, Hkv, k + n], log weights)."""
+    pool, logical = select(bound, center, table, k, bound_share)
+    lengths = jnp.full((table.shape[0],), table.shape[1], jnp.int32)
+    sample, logw = sample_tail(HiSparseConfig(tail_sample_pages=n), center, logical, lengths)
+    sample_pool = jnp.take_along_axis(table[:, None, :], jnp.maximum(sample, 0), axis=2)
+    ids = jnp.concatenate([pool, jnp.where(sample >= 0, sample_pool, -1)], axis=-1)
+    return ids.astype(jnp.int32), jnp.concatenate([jnp.zeros(pool.shape, jnp.float32), logw],
+                                                   axis=-1)
+
+
 
 
 DECODE_ARGS = ("q", "bf16_k", "bf16_v", "bf16_valid", "fp8_k", "fp8_v", "fp8_k_scale",
@@ -303,12 +323,13 @@ def make_ops(dims: dict, impl: str, interpret: bool, bound_share: float | None =
         return scores(a["q"], a["digest_center"], a["digest_radius"], a["page_table"])
 
     def sparse_decode(a):
-        return decode(*(a[n] for n in DECODE_ARGS), a["cold_ids"])
+        return decode(*(a[n] for n in DECODE_ARGS), a["cold_ids"], cold_logw=a["cold_logw"])
 
     def step(a):
         bound, center = lookup(a)
-        cold = select(bound, center, a["page_table"], k, bound_share)
-        out, _ = decode(*(a[n] for n in DECODE_ARGS), cold)
+        cold, logw = select_with_sample(bound, center, a["page_table"], k,
+                                        dims["sample_pages"], bound_share)
+        out, _ = decode(*(a[n] for n in DECODE_ARGS), cold, cold_logw=logw)
         return out, cold
 
     ops = {"lookup": jax.jit(lookup), "sparse_decode": jax.jit(sparse_decode),
@@ -531,8 +552,9 @@ def run(p: Plan, *, command: str = "", log=None) -> list[dict]:
         ref_ops = ops.get("xla") or make_ops(dims, "xla", p.interpret, case.bound_share)
         if "sparse_decode" in p.ops:  # one selection (XLA), shared by both implementations
             bound, center = ref_ops["lookup"](arrays)
-            arrays["cold_ids"] = select(bound, center, arrays["page_table"], dims["cold_pages"],
-                                        case.bound_share)
+            arrays["cold_ids"], arrays["cold_logw"] = select_with_sample(
+                bound, center, arrays["page_table"], dims["cold_pages"], dims["sample_pages"],
+                case.bound_share)
         refs = {}
         for op in p.ops:
             for impl in (["xla"] if op == "dense" else p.impls):

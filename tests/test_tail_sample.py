@@ -1,7 +1,6 @@
 """The importance sample of unselected pages (attention.sample_tail): unbiased,
 never a selected or non-candidate page, isolated per sequence."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
