@@ -122,23 +122,36 @@ def _select(cfg, state, q, implementation):
     return jnp.where(ok, logical, -1).astype(jnp.int32), mass
 
 
-# Share of the sampling proposal spread uniformly over the unselected pages (the
-# rest follows the digest's mass estimate): it caps every page's weight at
-# N / (n * share), so a page the digest underrates cannot blow up the estimate.
-# 0.1-0.5 measured alike (docs/results.md); 0 would trust the digest alone.
+# Share of the sample drawn uniformly (the rest follows the digest's mass
+# estimate): it caps every page's weight at N / (n * share), so a page the digest
+# underrates cannot blow up the estimate. 0.1-0.5 measured alike
+# (docs/results.md); 0 would trust the digest alone.
 TAIL_UNIFORM_SHARE = 0.25
 _TAIL_KEY = 0x7A11
 
 
+def _systematic(cdf, u, n):
+    """n systematic draws from each row's distribution: cdf [R, N] (not normalized),
+    u [R] offsets in [0, 1) -> indices [R, n] (clipped to N - 1)."""
+    points = (u[:, None] + jnp.arange(n)) / n * cdf[:, -1:]
+    idx = jax.vmap(functools.partial(jnp.searchsorted, side="right"))(cdf, points)
+    return jnp.minimum(idx, cdf.shape[-1] - 1)
+
+
 def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens: jax.Array):
     """An importance sample of the cold pages selection left out (MagicPIG's idea
-    at page granularity): `cfg.sample_pages` draws per (sequence, KV head) by
-    systematic sampling, with probability p = 1/4 uniform + 3/4 the digest's
-    estimated mass share, each drawn page weighted 1/(n p). Attention over the
-    drawn pages with these weights is an unbiased estimate of the unselected pages'
-    softmax numerator and denominator, so their mass is estimated, not dropped.
-    The draw is a function of the sequence length (reproducible; equal under every
-    implementation and in offload mode).
+    at page granularity), `cfg.sample_pages` draws per (sequence, KV head) in two
+    systematic samples: n_u = 1/4 of them uniform over the candidate pages (a draw
+    that lands on a selected page is dropped), n_s = 3/4 over the unselected pages
+    in proportion s to the digest's estimated mass. A drawn page x is weighted
+    1 / (n_u / C + n_s s_x), its expected number of draws, so attention over the
+    drawn pages with these weights is an unbiased estimate of the unselected
+    pages' softmax numerator and denominator: their mass is estimated, not dropped.
+
+    The offsets are a function of the sequence's cold page count, so they hold
+    for a page's worth of decode steps: the uniform draws stay the same pages
+    (offload mode keeps them on the device meanwhile) and every implementation
+    draws the same.
 
     mass [B, Hkv, N] log estimated mass (-inf = not a candidate); pages [B, Hkv, K]
     the selection. Returns (logical pages [B, Hkv, n] int32, -1 = none, and their
@@ -147,26 +160,25 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
     b, h, npg = mass.shape
     if n == 0:
         return jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), jnp.float32)
-    free = mass > -jnp.inf  # NaN estimates (NaN keys) are never drawn
-    free = free.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
+    n_u = round(n * TAIL_UNIFORM_SHARE)
+    n_s = n - n_u
+    cand = mass > -jnp.inf  # NaN estimates (NaN keys) are never drawn
+    free = cand.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
                    jnp.where(pages >= 0, pages, npg)].set(False, mode="drop")
     top = jnp.max(jnp.where(free, mass, -jnp.inf), axis=-1, keepdims=True)
     share = jnp.where(free, jnp.exp(mass - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    count = jnp.sum(free, axis=-1, keepdims=True)
-    p = (TAIL_UNIFORM_SHARE * free / jnp.maximum(count, 1)
-         + (1.0 - TAIL_UNIFORM_SHARE) * share / jnp.maximum(jnp.sum(share, -1, keepdims=True),
-                                                            1e-30))
-    cdf = jnp.cumsum(p, axis=-1)
-    total = cdf[..., -1:]
-    u = jax.vmap(lambda length: jax.random.uniform(
-        jax.random.fold_in(jax.random.key(_TAIL_KEY), length), (h,)))(seq_lens)
-    points = (u[..., None] + jnp.arange(n)) / n * total                 # [B, Hkv, n]
-    idx = jax.vmap(functools.partial(jnp.searchsorted, side="right"))(
-        cdf.reshape(b * h, npg), points.reshape(b * h, n)).reshape(b, h, n)
-    idx = jnp.minimum(idx, npg - 1)
-    p_idx = jnp.take_along_axis(p, idx, axis=-1) / total
-    ok = jnp.take_along_axis(free, idx, axis=-1) & (p_idx > 0)
-    logw = jnp.where(ok, -jnp.log(jnp.where(ok, n * p_idx, 1.0)), 0.0)
+    share = share / jnp.maximum(jnp.sum(share, axis=-1, keepdims=True), 1e-30)
+    n_cand = jnp.sum(cand, axis=-1, keepdims=True)
+    window = jnp.maximum(seq_lens, 0) // cfg.page_size
+    u = jax.vmap(lambda w: jax.random.uniform(
+        jax.random.fold_in(jax.random.key(_TAIL_KEY), w), (2, h)))(window)  # [B, 2, Hkv]
+    draws = [_systematic(jnp.cumsum(x, axis=-1).reshape(b * h, npg), u[:, i].reshape(-1), k)
+             for i, (x, k) in enumerate(((cand.astype(jnp.float32), n_u), (share, n_s))) if k]
+    idx = jnp.concatenate(draws, axis=-1).reshape(b, h, n)
+    expected = n_u * free / jnp.maximum(n_cand, 1) + n_s * share  # draws per page
+    e_idx = jnp.take_along_axis(expected, idx, axis=-1)
+    ok = jnp.take_along_axis(free, idx, axis=-1) & (e_idx > 0)
+    logw = jnp.where(ok, -jnp.log(jnp.where(ok, e_idx, 1.0)), 0.0)
     return jnp.where(ok, idx, -1).astype(jnp.int32), logw.astype(jnp.float32)
 
 

@@ -166,6 +166,7 @@ class OffloadedCache:
         self.sample_ws = {f: jnp.zeros((cfg.num_kv_heads, b * cfg.sample_pages)
                                        + self.host[f].shape[2:], self.host[f].dtype)
                           for f in HOST_FIELDS}
+        self.sample_held = np.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, np.int64)
         self.sample_pages_copied = 0
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.host_to_device_bytes = 0
@@ -192,6 +193,7 @@ class OffloadedCache:
     def forget(self, seq):
         """Sequence `seq` is empty: none of its pages may stay resident."""
         self.sched = scheduler.forget_sequence(self.sched, seq)
+        self.sample_held[seq] = -1
 
     # ------------------------------------------------------------ the cache's API
     def prefill(self, seq: int, k, v, tokens=None):
@@ -272,27 +274,45 @@ class OffloadedCache:
                                  self._sample_slots(sel.sample)], axis=-1)
         _, logw = with_sample(logical, sel.sample, sel.sample_logw)
         cold = tuple(jnp.concatenate([self.ws[f], self.sample_ws[f]], axis=1)
-                     for f in HOST_FIELDS) + self._digests(sel.sample)
+                     for f in HOST_FIELDS) + self._digests()
         out = attend_cold_slots(c, self.state, q, cold, slots, logw,
                                 implementation=self.implementation)
         return (out, logical) if return_selection else out
 
     def _sample_slots(self, sample):
         """Slots of this step's sampled pages [B, Hkv, n]: the working-set slot of a
-        resident one; the others are copied to the sample buffer (slot B*W + b*n + j)."""
-        resident = _slots_of(self.sched.resident, sample)
-        copy = (sample >= 0) & (resident < 0)
-        got = self._fetch(np.asarray(_pool_pages(self.state.page_table,
-                                                 jnp.where(copy, sample, -1))))
-        n = sample.shape[-1]
-        if got is not None:
-            b, h, j, pages = got
+        resident page, else its slot in the sample buffer (B*W + b*n + j). A page
+        not in the buffer yet is copied into a slot no entry of this step uses; the
+        uniform draws hold for a page's worth of steps, so most stay there."""
+        want = np.asarray(sample)
+        resident = np.asarray(_slots_of(self.sched.resident, sample))
+        n = want.shape[-1]
+        slot = np.where(resident >= 0, resident, -1).astype(np.int32)
+        base = self.cfg.max_seqs * self.working_set
+        copies = []  # (b, h, buffer slot, logical page)
+        for b, h in np.ndindex(want.shape[:2]):
+            held = self.sample_held[b, h]
+            where = {int(p): j for j, p in enumerate(held) if p >= 0}
+            todo = [i for i in range(n) if want[b, h, i] >= 0 and resident[b, h, i] < 0]
+            used = {where[int(want[b, h, i])] for i in todo if int(want[b, h, i]) in where}
+            spare = [j for j in range(n) if j not in used]
+            for i in todo:
+                p = int(want[b, h, i])
+                if p not in where:
+                    where[p] = spare.pop(0)
+                    held[where[p]] = p
+                    copies.append((b, h, where[p], p))
+                slot[b, h, i] = base + b * n + where[p]
+        if copies:
+            logical = np.full(want.shape, -1, np.int32)
+            for b, h, j, p in copies:
+                logical[b, h, j] = p
+            b, h, j, pages = self._fetch(np.asarray(_pool_pages(self.state.page_table,
+                                                                jnp.asarray(logical))))
             self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(b * n + j),
                                         pages)
             self.sample_pages_copied += len(b)
-        base = self.cfg.max_seqs * self.working_set
-        own = base + jnp.arange(sample.shape[0])[:, None, None] * n + jnp.arange(n)
-        return jnp.where(copy, own, resident).astype(jnp.int32)
+        return jnp.asarray(slot)
 
     def prefetch(self, pages):
         """Layer-ahead prefetch: `pages` [B, Hkv, K'] (logical, -1 = none) is the
@@ -333,9 +353,10 @@ class OffloadedCache:
         self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
         return b, h, w, pages
 
-    def _digests(self, sample):
+    def _digests(self):
         """Digest rows laid out like the working set followed by the sample buffer
         (device to device: the digests never leave the device)."""
+        sample = jnp.asarray(self.sample_held, jnp.int32)
         rows = jnp.concatenate([self.sched.resident.transpose(1, 0, 2).reshape(
             self.cfg.num_kv_heads, -1), sample.transpose(1, 0, 2).reshape(
             self.cfg.num_kv_heads, -1)], axis=1)                     # [Hkv, B*W + B*n] logical

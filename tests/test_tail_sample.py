@@ -32,7 +32,7 @@ def test_estimate_is_unbiased(seed, npg, k, n):
     mass, pages, f, free = _problem(seed, npg, k)
     cfg = HiSparseConfig(tail_sample_pages=n)
     idx, logw = sample_tail(cfg, jnp.asarray(mass), jnp.asarray(pages, jnp.int32),
-                            jnp.arange(ROWS) * 7 + 1000)
+                            (jnp.arange(ROWS) * 7 + 100) * cfg.page_size)  # one draw each
     idx, logw = np.asarray(idx), np.asarray(logw)
     ok = idx >= 0
     np.testing.assert_array_equal(ok.any(axis=-1), np.broadcast_to(free.any(-1), ok.shape[:2]))
