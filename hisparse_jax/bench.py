@@ -33,7 +33,8 @@ def _time_interleaved(fns, repeats):
 
 
 def bench_attention(context: int, *, preset_name: str = "default", batch: int = 1,
-                    repeats: int = 7, seed: int = 0, log=None) -> dict:
+                    repeats: int = 7, seed: int = 0, tail_sample_pages: int | None = None,
+                    log=None) -> dict:
     """Decode attention at `context` tokens: HiSparse (cache already filled) vs dense
     bf16 attention over the same K/V, calls interleaved. Random K/V: speed does not
     depend on content (selection always reads every digest and `budget` pages)."""
@@ -42,6 +43,8 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
     pg = base.page_size
     ctx = -(-context // pg) * pg
     cfg = base.replace(max_context=ctx, max_seqs=batch, num_pool_pages=None)
+    if tail_sample_pages is not None:
+        cfg = cfg.replace(tail_sample_pages=tail_sample_pages)
     rng = np.random.default_rng(seed)
     h, d = cfg.num_kv_heads, cfg.head_dim
     log(f"building a {context}-token cache ({batch} x {h} KV heads, head_dim {d}) ...")
@@ -63,9 +66,11 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
          lambda: decode_attention(cfg, state, q, implementation="xla")], repeats)
     return {
         "case": f"decode_{context}_b{batch}", "context": context, "batch": batch,
-        "preset": preset_name, "implementation": "xla", "backend": jax.default_backend(),
+        "preset": preset_name, "tail_sample_pages": cfg.tail_sample_pages,
+        "implementation": "xla", "backend": jax.default_backend(),
         "dense_ms": dense_ms, "hisparse_ms": sparse_ms, "speedup": dense_ms / sparse_ms,
         "dense_ms_all": dense_all, "hisparse_ms_all": sparse_all,
         "command": f"hisparse bench attention --context {context} --batch {batch} "
-                   f"--repeats {repeats} --preset {preset_name}",
+                   f"--repeats {repeats} --preset {preset_name} "
+                   f"--tail-sample-pages {cfg.tail_sample_pages}",
     }

@@ -80,7 +80,8 @@ def cmd_eval(args):
 def cmd_bench_attention(args):
     from hisparse_jax.bench import bench_attention
     row = bench_attention(args.context, preset_name=args.preset, batch=args.batch,
-                          repeats=args.repeats, log=_log)
+                          repeats=args.repeats, tail_sample_pages=args.tail_sample_pages,
+                          log=_log)
     row["command"] = args.command_line
     if args.json:
         print(json.dumps(row))
@@ -142,6 +143,9 @@ def build_parser():
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--repeats", type=int, default=7)
     a.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    a.add_argument("--tail-sample-pages", type=int, default=None, metavar="N",
+                   help="pages sampled to estimate the unselected mass (default: the "
+                        "preset's, 32; 0 = selection only)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_bench_attention)
     kn = bsub.add_parser("kernels", help="Pallas kernels vs XLA references: time, bytes/s, "
@@ -170,6 +174,8 @@ def main(argv=None):
     args.command_line = " ".join(["hisparse", *argv])
     if getattr(args, "context", 1) is not None and getattr(args, "context", 1) < 1:
         raise SystemExit("error: --context must be >= 1")
+    if (getattr(args, "tail_sample_pages", None) or 0) < 0:
+        raise SystemExit("error: --tail-sample-pages must be >= 0")
     args.func(args)
 
 

@@ -90,7 +90,7 @@ def test_cases_and_byte_model():
     # Shapes only: no array is built for a 1M-token batch of 8.
     dims = {"batch": 8, "context": 1 << 20, "kv_heads": 8, "q_heads": 32, "head_dim": 128,
             "page": 16, "bf16_tokens": 144, "fp8_tokens": 384, "candidate_pages": 65536 - 33,
-            "cold_pages": 128, "value_group": 32}
+            "cold_pages": 128, "sample_pages": 32, "value_group": 32}
     assert bk.op_bytes(dims, "dense") == 8 * 32 * 128 * 4 + 8 * 8 * (1 << 20) * 128 * 4 + 32
     assert bk.op_bytes(dims, "step") == (bk.op_bytes(dims, "lookup") +
                                          bk.op_bytes(dims, "sparse_decode") - 8 * 32 * 128 * 4)

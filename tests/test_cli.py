@@ -80,6 +80,12 @@ def test_bench_attention_json(capsys):
     assert row["dense_ms"] > 0 and row["hisparse_ms"] > 0
     assert row["speedup"] == pytest.approx(row["dense_ms"] / row["hisparse_ms"])
     assert "bench attention" in row["command"]
+    assert row["tail_sample_pages"] == 32
+
+
+def test_bench_attention_bad_tail_sample():
+    with pytest.raises(SystemExit, match="tail-sample-pages"):
+        main(["bench", "attention", "--context", "8192", "--tail-sample-pages", "-1"])
 
 
 def test_demo_small(capsys):

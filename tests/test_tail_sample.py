@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax.attention import sample_tail
+from hisparse_jax.attention import TAIL_UNIFORM_SHARE, sample_tail
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
 
 ROWS = 2000  # sequences, each with its own length and so its own draw
@@ -92,3 +92,19 @@ def test_config_rejects_bad_sample_size():
     with pytest.raises(ValueError, match="tail_sample_pages"):
         HiSparseConfig(tail_sample_pages=2.5)
 
+
+
+def test_uniform_draws_hold_for_a_page_of_steps():
+    """Within one page of decode steps the uniform draws stay the same pages, whatever
+    the query (offload mode keeps them on the device); the next page redraws."""
+    mass, pages, _, _ = _problem(4, 301, 20)
+    cfg = HiSparseConfig()
+    n_u = round(cfg.tail_sample_pages * TAIL_UNIFORM_SHARE)
+    m, p = jnp.asarray(mass[:1]), jnp.asarray(pages[:1], jnp.int32)
+    other_query = m + jnp.asarray(np.random.default_rng(9).normal(size=m.shape), jnp.float32)
+    first = sample_tail(cfg, m, p, jnp.array([100 * cfg.page_size]))[0]
+    later = sample_tail(cfg, other_query, p, jnp.array([101 * cfg.page_size - 1]))[0]
+    next_page = sample_tail(cfg, m, p, jnp.array([101 * cfg.page_size]))[0]
+    np.testing.assert_array_equal(first[..., :n_u], later[..., :n_u])
+    assert not np.array_equal(first[..., n_u:], later[..., n_u:])  # the digest part moves
+    assert not np.array_equal(first[..., :n_u], next_page[..., :n_u])
