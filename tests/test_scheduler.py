@@ -75,7 +75,8 @@ def test_working_set_bytes_counts_every_array():
     cfg = HiSparseConfig(num_kv_heads=2, max_context=4096)
     W = 24
     s = sc.init_state(3, cfg.num_kv_heads, W)
-    data = 3 * W * layout.per_page_cold_bytes(cfg)[0]  # resident page data, all heads
+    # resident page data and the tail-sample buffer, all heads
+    data = 3 * (W + cfg.sample_pages) * layout.per_page_cold_bytes(cfg)[0]
     assert sc.working_set_bytes(cfg, W, batch=3) == data + layout.nbytes(s)
 
 
