@@ -161,8 +161,9 @@ class OffloadedCache:
         b = cfg.max_seqs
         self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
                                 self.host[f].dtype) for f in HOST_FIELDS}
-        # This step's sampled pages that are not resident (`attention.sample_tail`):
-        # scratch, refilled every step, outside the scheduler's working set.
+        # Sampled pages (`attention.sample_tail`) that were not resident when drawn,
+        # outside the scheduler's working set; `sample_held` names each slot's page,
+        # so a page drawn again is not copied again.
         self.sample_ws = {f: jnp.zeros((cfg.num_kv_heads, b * cfg.sample_pages)
                                        + self.host[f].shape[2:], self.host[f].dtype)
                           for f in HOST_FIELDS}
