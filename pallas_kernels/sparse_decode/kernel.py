@@ -10,7 +10,9 @@ Three pallas_calls, one per part, each on a grid (batch, kv head, split):
   unpacked in registers into the two half-split halves, keys dequantized as
   lo + code * step (lo = c - r, step = 2r/15 from the page digest centre c and
   radius r), values as zero + code * scale per channel group, and each half is
-  dotted with the matching half of q.
+  dotted with the matching half of q. Each page's log weight (`cold_logw`: 0 for
+  a selected page, log(importance weight) for a sampled one) is added to its
+  logits.
 Every split keeps an online softmax and emits (out, lse); splits and parts are
 merged by log-sum-exp in XLA (`reference.merge_parts`).
 
