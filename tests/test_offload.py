@@ -49,3 +49,27 @@ def test_working_set_must_hold_budget():
     cfg = HiSparseConfig(num_kv_heads=2, head_dim=64, max_context=4096, budget_tokens=512)
     with pytest.raises(ValueError, match="working_set"):
         OffloadedCache(HiSparseCache(cfg), working_set=8)
+
+
+def test_sample_buffer_forgets_a_released_sequence():
+    """A new sequence in a released slot, of the same length, draws the same tail
+    pages: they must be copied again, not read stale from the sample buffer."""
+    s = 4000
+    a_kv = make_workload(context=s, num_kv_heads=2, gqa_group=4, head_dim=64,
+                         num_queries=2, seed=3)
+    b_kv = make_workload(context=s, num_kv_heads=2, gqa_group=4, head_dim=64,
+                         num_queries=2, seed=4)
+    cfg = HiSparseConfig(num_kv_heads=2, gqa_group=4, head_dim=64, max_context=4096,
+                         budget_tokens=256)
+    full, moved = HiSparseCache(cfg), HiSparseCache(cfg)
+    for c in (full, moved):
+        c.prefill(0, a_kv.k, a_kv.v)
+    off = OffloadedCache(moved)
+    q = a_kv.q[:1]
+    np.testing.assert_array_equal(np.asarray(full.attend(q)), np.asarray(off.attend(q)))
+    assert off.counters()["sample_pages_copied"] > 0
+    for c in (full, off):
+        c.release(0)
+        c.prefill(0, b_kv.k, b_kv.v)
+    # Without the buffer forgetting the released sequence this output differs.
+    np.testing.assert_array_equal(np.asarray(full.attend(q)), np.asarray(off.attend(q)))
