@@ -66,6 +66,8 @@ def cmd_eval(args):
     cfg = preset(args.preset)
     if args.budget_tokens is not None:
         cfg = cfg.replace(budget_tokens=args.budget_tokens)
+    if args.tail_sample_pages is not None:
+        cfg = cfg.replace(tail_sample_pages=args.tail_sample_pages)
     _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
     try:
         summary = evaluate(cfg, q, k, v).summary()
@@ -133,6 +135,9 @@ def build_parser():
     e.add_argument("--preset", default="default", choices=sorted(PRESETS))
     e.add_argument("--budget-tokens", type=_budget, default=None,
                    help="cold tokens attended per KV head, or 'all'")
+    e.add_argument("--tail-sample-pages", type=int, default=None, metavar="N",
+                   help="pages sampled to estimate the unselected mass (default: the "
+                        "preset's, 32; 0 = selection only)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 

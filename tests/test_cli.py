@@ -10,7 +10,7 @@ from hisparse_jax.workloads import make_workload
 
 JSON_KEYS = {"recall_mean", "recall_p5", "rel_error_mean", "rel_error_p95",
              "selection_error_mean", "top10_recall", "attended_fraction",
-             "device_bytes_per_token", "capacity_vs_bf16"}
+             "device_bytes_per_token", "capacity_vs_bf16", "unsampled_selection_error_mean"}
 
 
 def _npz(tmp_path, d, dtype=np.float16, s=3000, name="qkv.npz"):
@@ -35,6 +35,15 @@ def test_eval_budget_all_isolates_quantization(tmp_path, capsys):
     assert row["selection_error_mean"] == pytest.approx(0.0, abs=1e-6)
     assert row["recall_mean"] == pytest.approx(1.0, abs=1e-5)
     assert row["rel_error_mean"] < 0.1
+
+
+def test_eval_without_tail_sample(tmp_path, capsys):
+    path = str(_npz(tmp_path, 64))
+    main(["eval", "--qkv", path, "--budget-tokens", "256", "--tail-sample-pages", "0", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert row["selection_error_mean"] == row["unsampled_selection_error_mean"] > 0
+    with pytest.raises(SystemExit, match="tail-sample-pages"):
+        main(["eval", "--qkv", path, "--tail-sample-pages", "-2"])
 
 
 def test_eval_table(tmp_path, capsys):
