@@ -128,8 +128,8 @@ def make_case(key, *, batch, context, kv_heads, group, head_dim, page, sink, hot
                           context=context, with_dense=with_dense)
     dims = {"batch": b, "context": context, "kv_heads": h, "q_heads": h * g, "head_dim": d,
             "page": page, "bf16_tokens": tb, "fp8_tokens": tw, "candidate_pages": candidates,
-            "cold_pages": k_sel, "sample_pages": n_sample, "pool_pages": pool, "pool_aliased": pool < b * n,
-            "value_group": value_group}
+            "cold_pages": k_sel, "sample_pages": n_sample, "pool_pages": pool,
+            "pool_aliased": pool < b * n, "value_group": value_group}
     return arrays, dims
 
 
@@ -242,7 +242,7 @@ def op_bytes(dims: dict, op: str) -> int:
     tb, tw = dims["bf16_tokens"], dims["fp8_tokens"]
     bf16 = b * h * tb * d * 2 * 2 + b * tb
     fp8 = b * h * tw * (d * 2 + 2 * 4) + b * tw
-    cold = b * h * (dims["cold_pages"] + dims.get("sample_pages", 0)) * (
+    cold = b * h * (dims["cold_pages"] + dims["sample_pages"]) * (
         4 + 4 + page * (d // 2) * 2 + page * ng * 2 * 2 + digest_row)  # id, log weight, ...
     if op == "lookup":
         return q_bytes + lookup
@@ -295,8 +295,6 @@ def select_with_sample(bound, center, table, k, n, bound_share=None):
     ids = jnp.concatenate([pool, jnp.where(sample >= 0, sample_pool, -1)], axis=-1)
     return ids.astype(jnp.int32), jnp.concatenate([jnp.zeros(pool.shape, jnp.float32), logw],
                                                    axis=-1)
-
-
 
 
 DECODE_ARGS = ("q", "bf16_k", "bf16_v", "bf16_valid", "fp8_k", "fp8_v", "fp8_k_scale",

@@ -268,7 +268,7 @@ def make_logw(c: DecodeCase, seed=1):
 def test_sparse_decode_matches_reference(case):
     args = make_decode(case)
     scale = 1.0 / np.sqrt(case.head_dim)
-    logw = make_logw(case)
+    logw = jnp.where(args[-1] >= 0, make_logw(case), jnp.nan)  # unused entries: NaN
     out, lse = decode_kernel.sparse_decode(*args, sm_scale=scale, cold_logw=logw,
                                            interpret=True, config=case.config)
     ref_out, ref_lse = decode_ref.sparse_decode(*args, sm_scale=scale, cold_logw=logw)

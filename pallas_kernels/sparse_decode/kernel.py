@@ -221,7 +221,7 @@ def _cold_kernel(q_ref, ids_ref, lw_ref, k_ref, v_ref, vs_ref, vz_ref, c_ref, r_
     def body(i, carry):
         m, l, acc_lo, acc_hi = carry
         ids = ids_ref[pl.ds(slot0 + i * pb, pb)]                     # [PB]
-        lw = jnp.where(ids >= 0, lw_ref[pl.ds(slot0 + i * pb, pb)], 0.0)
+        lw = lw_ref[pl.ds(slot0 + i * pb, pb)]                       # masked with `valid`
         prow = h * pool_pages + jnp.maximum(ids, 0)                  # pool row of each page
         rows = ((prow[:, None] << log_page) + tok).reshape(block)    # [BT]
         valid = per_token(ids >= 0)                                  # [BT]

@@ -64,7 +64,7 @@ def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, di
     logits = (jnp.einsum("bhgd,bhkd->bhgk", q, lo)[..., None]
               + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., :half], (kc & 0xF).astype(jnp.float32))
               + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., half:], (kc >> 4).astype(jnp.float32)))
-    logw = jnp.where(ok, cold_logw.astype(jnp.float32), 0.0)[:, :, None, :, None]
+    logw = cold_logw.astype(jnp.float32)[:, :, None, :, None]
     logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale + logw, -jnp.inf)
     m = jnp.max(logits, axis=(-2, -1))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
