@@ -55,7 +55,9 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     """The cold pages to attend per (sequence, KV head): each query head's top
     pages by Quest's upper bound (a `bound_share` of the budget split between
     the group's heads), then the two pages beside each head's top bound page (a
-    span's tail), then the pages with the most estimated group mass.
+    span's tail), then the pages with the most estimated group mass. The pages of
+    `state.last_selected` (the last step's, see `remember`) score
+    `cfg.sticky_nats` higher in both rankings.
 
     q [B, Hq, D] -> (logical pages [B, Hkv, K] int32, pool pages [B, Hkv, K] int32,
     -1 where fewer than K cold pages exist). Sink, hot and warm pages have no page
@@ -72,6 +74,12 @@ def _select(cfg, state, q, implementation):
     page_scores, _ = _ops(implementation)
     bound, mass = page_scores(group_queries(cfg, q), state.digest_center,
                               state.digest_radius, state.page_table)
+    if cfg.sticky:
+        # The last step's pages are favoured by sticky_nats in both rankings, so a
+        # near-tie at the budget's edge does not swap pages every step.
+        held = state.last_selected
+        mass = jnp.where(held, mass + cfg.sticky_nats, mass)
+        bound = jnp.where(held[:, :, None, :], bound + cfg.sticky_nats, bound)
     k = min(cfg.budget_pages, cfg.max_pages)
     g = cfg.gqa_group
     # Bound pages per query head: at least one when bound_share > 0, never more than k.
@@ -120,6 +128,24 @@ def _select(cfg, state, q, implementation):
     logical = jnp.take_along_axis(jnp.concatenate([pages_b, pages_c], axis=-1), pick, axis=-1)
     ok = top > -jnp.inf  # NaN scores (NaN keys) stay in their own sequence
     return jnp.where(ok, logical, -1).astype(jnp.int32), mass
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _selection_mask(n_pages: int, pages: jax.Array) -> jax.Array:
+    b, h, _ = pages.shape
+    return jnp.zeros((b, h, n_pages), bool).at[
+        jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
+        jnp.where(pages >= 0, pages, n_pages)].set(True, mode="drop")
+
+
+def remember(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheState:
+    """The state after a decode step that selected `pages` [B, Hkv, K] (logical, -1 =
+    none): the next step's selection favours them by `cfg.sticky_nats`. The cache
+    calls this after every `attend`; a caller of the pure functions does too, or
+    gets a fresh selection every step."""
+    if not cfg.sticky:
+        return state
+    return state.replace(last_selected=_selection_mask(state.last_selected.shape[-1], pages))
 
 
 # Share of the sample drawn uniformly (the rest follows the digest's mass

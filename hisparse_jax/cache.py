@@ -24,7 +24,7 @@ import numpy as np
 
 from hisparse_jax import layout
 from hisparse_jax import state as st
-from hisparse_jax.attention import decode_attention
+from hisparse_jax.attention import decode_attention, remember
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.prefix import PrefixIndex
 
@@ -227,8 +227,11 @@ class HiSparseCache:
         return out
 
     def attend(self, q, *, return_selection=False):
-        """Decode attention for q [B, Hq, D] -> [B, Hq, D] float32."""
+        """Decode attention for q [B, Hq, D] -> [B, Hq, D] float32 (one decode step:
+        the next step's selection favours this step's pages, `cfg.sticky_nats`)."""
         c = self.cfg
         self._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
-        return decode_attention(c, self.state, jnp.asarray(q), implementation=self.implementation,
-                                return_selection=return_selection)
+        out, pages = decode_attention(c, self.state, jnp.asarray(q),
+                                      implementation=self.implementation, return_selection=True)
+        self.state = remember(c, self.state, pages)
+        return (out, pages) if return_selection else out

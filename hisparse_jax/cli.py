@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 
@@ -181,6 +182,9 @@ def main(argv=None):
         raise SystemExit("error: --context must be >= 1")
     if (getattr(args, "tail_sample_pages", None) or 0) < 0:
         raise SystemExit("error: --tail-sample-pages must be >= 0")
+    sticky = getattr(args, "sticky_nats", None)
+    if sticky is not None and not (math.isfinite(sticky) and sticky >= 0):
+        raise SystemExit("error: --sticky-nats must be a finite number >= 0")
     args.func(args)
 
 

@@ -47,6 +47,11 @@ class HiSparseConfig:
     # probability): the mass a 2K-token selection leaves out is estimated instead of
     # dropped. 0 = off. docs/results.md measures it.
     tail_sample_pages: int = 32
+    # A page the previous decode step selected keeps its place unless a new page
+    # scores this much higher (nats, added to its log scores): near-ties at the
+    # budget's edge stop flickering from step to step, so offload fetches fewer
+    # pages, at a recall cost below 0.001. 0 = off. docs/scheduler.md measures it.
+    sticky_nats: float = 0.5
     max_context: int = 131072  # tokens per sequence
     max_seqs: int = 1
     num_pool_pages: int | None = None  # cold page pool; None = max_seqs full contexts
@@ -80,6 +85,8 @@ class HiSparseConfig:
              "bound_share", "must be a number in [0, 1]")
         need(isinstance(self.tail_sample_pages, int) and self.tail_sample_pages >= 0,
              "tail_sample_pages", "must be a non-negative int")
+        need(isinstance(self.sticky_nats, (int, float)) and math.isfinite(self.sticky_nats)
+             and self.sticky_nats >= 0, "sticky_nats", "must be a finite number >= 0")
         if self.num_pool_pages is not None:
             need(isinstance(self.num_pool_pages, int) and self.num_pool_pages >= 1,
                  "num_pool_pages", "must be a positive int or None")
@@ -125,6 +132,11 @@ class HiSparseConfig:
     def sample_pages(self) -> int:
         """Unselected cold pages sampled per KV head (none when every page is selected)."""
         return 0 if self.budget_tokens == FULL_BUDGET else self.tail_sample_pages
+
+    @property
+    def sticky(self) -> bool:
+        """Whether selection favours the last step's pages (not when all are selected)."""
+        return self.sticky_nats > 0 and self.budget_tokens != FULL_BUDGET
 
     def replace(self, **changes) -> HiSparseConfig:
         return dataclasses.replace(self, **changes)

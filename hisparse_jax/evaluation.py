@@ -115,6 +115,32 @@ def _attend_all(cfg, state, q, implementation):
     return np.stack(outs), np.stack(sel)
 
 
+def attended_tokens(cfg: HiSparseConfig, s: int, selected: np.ndarray):
+    """(attended [N, Hkv, S] bool: the live bf16/fp8 slots of a sequence of s tokens
+    plus the tokens of each selected cold page (selected [N, Hkv, K] logical, -1 =
+    none); always [S] bool: the bf16/fp8 slots alone)."""
+    always = np.zeros(s, bool)
+    for p in slot_positions(cfg, jnp.array([s])):
+        p = np.asarray(p[0])
+        always[p[p >= 0]] = True
+    n, hkv, _ = selected.shape
+    page_mask = np.zeros((n, hkv, cfg.max_pages), bool)
+    ni, hi, ki = np.nonzero(selected >= 0)
+    page_mask[ni, hi, selected[ni, hi, ki]] = True
+    attended = np.repeat(page_mask, cfg.page_size, axis=2)[:, :, :s] | always[None, None, :]
+    return attended, always
+
+
+def selection_recall(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
+                     selected: np.ndarray) -> np.ndarray:
+    """Attention-mass recall [N, Hq] of given selections (DESIGN §4): queries q
+    [N, Hq, D] over one sequence's keys k [S, Hkv, D], selected [N, Hkv, K]."""
+    attended, _ = attended_tokens(cfg, k.shape[0], np.asarray(selected))
+    g = q.shape[1] // k.shape[1]
+    w = _dense_weights(np.asarray(q, np.float32), np.asarray(k, np.float32))
+    return np.sum(np.where(np.repeat(attended, g, axis=1), w, 0.0), axis=-1)
+
+
 def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *,
              implementation=None) -> Evaluation:
     """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D]."""
@@ -135,18 +161,9 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     dense = np.stack([np.asarray(dense_decode_attention(jnp.asarray(q[i:i + 1]), kd, vd,
                                                         jnp.array([s]))[0]) for i in range(n)])
 
-    # Attended token mask [N, Hkv, S]: live bf16/fp8 slots for every query, plus
-    # the tokens of each selected cold page.
-    always = np.zeros(s, bool)
-    for p in slot_positions(cfg, jnp.array([s])):
-        p = np.asarray(p[0])
-        always[p[p >= 0]] = True
-    pg = cfg.page_size
-    page_mask = np.zeros((n, hkv, cfg.max_pages), bool)
-    ni, hi, ki = np.nonzero(selected >= 0)
-    page_mask[ni, hi, selected[ni, hi, ki]] = True
-    attended = np.repeat(page_mask, pg, axis=2)[:, :, :s] | always[None, None, :]
+    attended, always = attended_tokens(cfg, s, selected)
     attended_q = np.repeat(attended, g, axis=1)  # [N, Hq, S]
+    pg = cfg.page_size
 
     w = _dense_weights(q, k)  # [N, Hq, S]
     recall = np.sum(np.where(attended_q, w, 0.0), axis=-1)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from hisparse_jax.config import HiSparseConfig
 
-BF16, F32, I32, U8, FP8 = 2, 4, 4, 1, 1
+BF16, F32, I32, U8, FP8, BOOL = 2, 4, 4, 1, 1, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Bytes:
     fp8_tier: int       # warm K/V + scales
     int4_tier: int      # cold K/V codes + value scales/zeros
     digests: int        # per-page key range (centre, radius)
-    page_tables: int    # page table, lengths, free-page stack, page refcounts
+    page_tables: int    # page table, lengths, free-page stack, page refcounts, last selection
     host: int = 0       # bytes kept off the device (offload mode)
 
     @property
@@ -55,7 +55,8 @@ def state_bytes(cfg: HiSparseConfig) -> Bytes:
         fp8_tier=2 * b * h * tw * (d * FP8 + F32),
         int4_tier=cfg.pool_pages * codes,
         digests=cfg.pool_pages * digest,
-        page_tables=b * cfg.max_pages * I32 + b * I32 + 2 * cfg.pool_pages * I32 + I32)
+        page_tables=b * cfg.max_pages * I32 + b * I32 + 2 * cfg.pool_pages * I32 + I32
+        + b * h * cfg.max_pages * BOOL)
 
 
 def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
@@ -69,7 +70,8 @@ def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
     n_cold = int(num_cold_pages(cfg, context))
     codes, digest = per_page_cold_bytes(cfg)
     return dataclasses.replace(full, int4_tier=n_cold * codes, digests=n_cold * digest,
-                               page_tables=one.max_pages * I32 + I32 + 2 * n_cold * I32)
+                               page_tables=one.max_pages * I32 + I32 + 2 * n_cold * I32
+                               + cfg.num_kv_heads * one.max_pages * BOOL)
 
 
 def bf16_paged_bytes(cfg: HiSparseConfig, context: int) -> int:

@@ -32,7 +32,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.attention import attend_cold_slots, select, with_sample
+from hisparse_jax.attention import attend_cold_slots, remember, select, with_sample
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
 
@@ -278,6 +278,7 @@ class OffloadedCache:
                      for f in HOST_FIELDS) + self._digests()
         out = attend_cold_slots(c, self.state, q, cold, slots, logw,
                                 implementation=self.implementation)
+        self.cache.state = remember(c, self.state, logical)
         return (out, logical) if return_selection else out
 
     def _sample_slots(self, sample):

@@ -377,7 +377,8 @@ def _overlap(a, b):
 def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
                segment: int = 32, num_kv_heads: int = 4, step_noise: float | None = None,
                step_overlap: float = 0.70, layer_noise: float = 0.3,
-               extra_candidates: int = 64, seed: int = 0, log=None) -> Trace:
+               extra_candidates: int = 64, sticky_nats: float | None = None,
+               recall_every: int = 8, seed: int = 0, log=None) -> Trace:
     """A decode trace of real selections (`attention.select_pages` over a cache filled
     from `workloads.make_workload`), with queries that move over the steps.
 
@@ -393,10 +394,18 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
     reports allow; a fixed jitter instead gives lower overlap the longer the
     context. The adjacent layer is the same query with independent `layer_noise`.
     The context does not grow during the trace (pages turning cold are not modelled).
+
+    The overlap is solved for selections without memory (`sticky_nats` 0: the
+    plain top-k the published overlaps describe); the trace then decodes step by
+    step with the config's `sticky_nats` (None: the default preset's), each layer
+    remembering its own last step. info reports both overlaps and both recalls
+    (DESIGN §4, every `recall_every`-th step), so the price of stickiness is in
+    the same row as its hit rate.
     """
-    from hisparse_jax.attention import select_pages
+    from hisparse_jax.attention import remember, select_pages
     from hisparse_jax.cache import HiSparseCache
     from hisparse_jax.config import preset
+    from hisparse_jax.evaluation import selection_recall
     from hisparse_jax.workloads import make_workload
     if kind not in ("drift", "retrieval"):
         raise ValueError(f"trace kind must be 'drift' or 'retrieval', got {kind!r}")
@@ -410,6 +419,9 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
                        seed=seed)
     ctx = -(-context // 16) * 16
     cfg = preset("default").replace(num_kv_heads=num_kv_heads, max_context=ctx)
+    if sticky_nats is not None:
+        cfg = cfg.replace(sticky_nats=sticky_nats)
+    plain = cfg.replace(sticky_nats=0.0)
     cache = HiSparseCache(cfg, implementation="xla")
     cache.prefill(0, wl.k, wl.v)
     anchors = wl.q  # [N, Hq, D]
@@ -428,26 +440,42 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
     wide = cfg.replace(budget_tokens=(cfg.budget_pages + extra_candidates) * cfg.page_size)
     st = cache.state
 
-    def sel(c):
+    def independent(c):  # every step selected afresh
         return jax.jit(jax.vmap(lambda qq: select_pages(c, st, qq[None],
                                                         implementation="xla")[0]))
 
-    select = sel(cfg)
+    @jax.jit
+    def decode(qs):  # step by step, remembering the last step: (selected, wider top-k)
+        def body(held, qq):
+            s = st.replace(last_selected=held)
+            pages = select_pages(cfg, s, qq[None], implementation="xla")[0]
+            runner_ups = select_pages(wide, s, qq[None], implementation="xla")[0]
+            return remember(cfg, s, pages).last_selected, (pages, runner_ups)
+        return jax.lax.scan(body, st.last_selected, qs)[1]
+
+    select_plain = independent(plain)
     if step_noise is None:
-        step_noise = _solve_step_noise(select, q, norm, z_step, step_overlap, log)
-    q_step = q + step_noise * norm * z_step
-    q_layer = q_step + layer_noise * norm * z_layer
-    selected = np.asarray(select(jnp.asarray(q_step, jnp.float32)))
-    prev = np.asarray(select(jnp.asarray(q_layer, jnp.float32)))
-    cand = np.asarray(sel(wide)(jnp.asarray(q_step, jnp.float32)))
+        step_noise = _solve_step_noise(select_plain, q, norm, z_step, step_overlap, log)
+    q_step = jnp.asarray(q + step_noise * norm * z_step, jnp.float32)
+    q_layer = jnp.asarray(q_step + layer_noise * norm * z_layer, jnp.float32)
+    selected, cand = (np.asarray(x) for x in decode(q_step))
+    prev = np.asarray(decode(q_layer)[0])
+    selected_plain = np.asarray(select_plain(q_step))
+    probe = slice(0, steps, recall_every)
+    recall, recall_plain = (float(selection_recall(cfg, np.asarray(q_step)[probe], wl.k,
+                                                   s[probe, 0]).mean())
+                            for s in (selected, selected_plain))
     info = {"kind": kind, "context": context, "steps": steps, "segment": segment,
             "num_kv_heads": num_kv_heads, "budget_pages": cfg.budget_pages,
-            "bound_share": cfg.bound_share,
+            "bound_share": cfg.bound_share, "sticky_nats": cfg.sticky_nats,
             "cold_pages": int(np.sum(np.asarray(st.page_table[0]) >= 0)),
             "step_noise": step_noise, "layer_noise": layer_noise, "seed": seed,
             "overlap_consecutive_steps": _overlap(selected[1:], selected[:-1]),
+            "overlap_consecutive_steps_plain": _overlap(selected_plain[1:],
+                                                        selected_plain[:-1]),
             "overlap_adjacent_layer": _overlap(selected, prev),
-            "overlap_runner_up_next_step": _overlap(selected[1:], cand[:-1])}
+            "overlap_runner_up_next_step": _overlap(selected[1:], cand[:-1]),
+            "recall_mean": recall, "recall_mean_plain": recall_plain}
     return Trace(kind, selected, prev, cand, cfg, info)
 
 
@@ -540,7 +568,7 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
                     kinds=("drift", "retrieval"), seed: int = 0,
                     step_noise: float | None = None, step_overlap: float = 0.70,
                     layer_noise: float = 0.3, max_prefetch=(32,), oracle: bool = False,
-                    log=None) -> list[dict]:
+                    sticky_nats: float | None = None, log=None) -> list[dict]:
     """Resident hit rate and host->device bytes per step, predictive policy vs LRU,
     at working sets of `multiples` x the selection budget, on real-selection traces."""
     log = log or (lambda *_: None)
@@ -548,9 +576,11 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
     for kind in kinds:
         t0 = time.perf_counter()
         tr = make_trace(kind, context=context, steps=steps, seed=seed, step_noise=step_noise,
-                        step_overlap=step_overlap, layer_noise=layer_noise, log=log)
+                        step_overlap=step_overlap, layer_noise=layer_noise,
+                        sticky_nats=sticky_nats, log=log)
         log(f"trace {kind} built in {time.perf_counter() - t0:.1f}s: "
-            + ", ".join(f"{k}={v:.3f}" for k, v in tr.info.items() if k.startswith("overlap")))
+            + ", ".join(f"{k}={v:.4f}" for k, v in tr.info.items()
+                        if k.startswith(("overlap", "recall"))))
         K = tr.selected.shape[-1]
         variants = [("lru", LRU, True, True),
                     # default: prefetch the layer below's pages, keep runner-ups resident
@@ -582,7 +612,7 @@ def main_bench_scheduler(args) -> list[dict]:
                            layer_noise=args.layer_noise,
                            kinds=tuple(args.traces.split(",")),
                            max_prefetch=tuple(int(x) for x in args.max_prefetch.split(",")),
-                           oracle=args.oracle,
+                           oracle=args.oracle, sticky_nats=args.sticky_nats,
                            multiples=tuple(float(x) if "." in x else int(x)
                                            for x in args.multiples.split(",")),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -625,6 +655,9 @@ def add_scheduler_bench_parser(bench_subparsers):
                         "--step-overlap")
     s.add_argument("--layer-noise", type=float, default=0.3,
                    help="adjacent-layer query jitter (x query norm)")
+    s.add_argument("--sticky-nats", type=float, default=None,
+                   help="how much selection favours the last step's pages (default: the "
+                        "preset's; 0 = every step selected afresh)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=main_bench_scheduler)
     return s

@@ -46,6 +46,8 @@ class CacheState:
     num_free: jax.Array      # [] int32
     refcount: jax.Array      # [P] int32: page tables pointing at the page + 1 if a prefix
                              #   index holds it; a page is freed when this reaches 0
+    last_selected: jax.Array  # [B, Hkv, max_pages] bool: the cold pages the last decode
+                              #   step selected (`attention.remember`, cfg.sticky_nats)
 
 
 def init_state(cfg: HiSparseConfig) -> CacheState:
@@ -67,6 +69,7 @@ def init_state(cfg: HiSparseConfig) -> CacheState:
         free_pages=jnp.arange(p - 1, -1, -1, dtype=jnp.int32),  # page 0 popped first
         num_free=jnp.array(p, jnp.int32),
         refcount=z((p,), jnp.int32),
+        last_selected=z((b, h, cfg.max_pages), bool),
     )
 
 
@@ -216,6 +219,7 @@ def _prefill(cfg, state, seq, k, v, length, shared, implementation):
         fp8_v_scale=state.fp8_v_scale.at[seq].set(fvs),
         page_table=state.page_table.at[seq].set(table_row),
         seq_lens=state.seq_lens.at[seq].set(length), refcount=refcount,
+        last_selected=state.last_selected.at[seq].set(False),
         num_free=state.num_free - jnp.sum(is_new).astype(jnp.int32))
     return state, pool_ids.astype(jnp.int32), new_cold
 
@@ -332,7 +336,8 @@ def release(cfg: HiSparseConfig, state: CacheState, seq: jax.Array) -> CacheStat
     freed)."""
     state = _unref(cfg, state, state.page_table[seq])
     return state.replace(page_table=state.page_table.at[seq].set(-1),
-                         seq_lens=state.seq_lens.at[seq].set(0))
+                         seq_lens=state.seq_lens.at[seq].set(0),
+                         last_selected=state.last_selected.at[seq].set(False))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

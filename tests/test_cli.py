@@ -97,6 +97,12 @@ def test_bench_attention_bad_tail_sample():
         main(["bench", "attention", "--context", "8192", "--tail-sample-pages", "-1"])
 
 
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
+def test_bench_scheduler_bad_sticky_nats(bad):
+    with pytest.raises(SystemExit, match="sticky-nats"):
+        main(["bench", "scheduler", "--sticky-nats", bad])
+
+
 def test_demo_small(capsys):
     main(["demo", "--context", "8192"])
     out = capsys.readouterr().out

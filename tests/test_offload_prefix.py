@@ -148,13 +148,13 @@ def test_layer_ahead_prefetch_raises_hits_and_keeps_outputs_exact():
         c.prefill(0, wl.k, wl.v)
         return OffloadedCache(c, policy=policy)
 
-    ref = HiSparseCache(cfg, implementation="xla")
-    ref.prefill(0, wl.k, wl.v)
     hit_rates = {}
     for name, policy, ahead in (("plain", scheduler.Policy(), False),
                                 ("ahead", scheduler.Policy(), True),
                                 ("lru", scheduler.LRU, True)):
         below, above = layer(policy), layer(policy)
+        ref = HiSparseCache(cfg, implementation="xla")  # remembers its own last step
+        ref.prefill(0, wl.k, wl.v)
         last = None
         for s, u in zip(steps, upper):
             _, sel = below.attend(s[None].astype(np.float32), return_selection=True)
