@@ -29,6 +29,8 @@ def main():
     p.add_argument("--segment", type=int, default=32, help="steps between anchor queries")
     p.add_argument("--step-noise", type=float, default=0.15, help="jitter x the query norm")
     p.add_argument("--tail-samples", type=int, nargs="+", default=[32, 0])
+    p.add_argument("--sticky-nats", type=float, nargs="+", default=[None],
+                   help="selection stickiness to compare (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     s, steps, seg = args.context, args.steps, args.segment
@@ -40,9 +42,11 @@ def main():
     norm = np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(q.shape[-1])
     rng = np.random.default_rng(args.seed + 1000)
     q = (q + args.step_noise * norm * rng.standard_normal(q.shape)).astype(np.float32)
-    for n in args.tail_samples:
+    for n, sticky in ((n, x) for x in args.sticky_nats for n in args.tail_samples):
         cfg = preset("default").replace(num_kv_heads=4, max_context=-(-(s + steps) // 16) * 16,
                                         tail_sample_pages=n)
+        if sticky is not None:
+            cfg = cfg.replace(sticky_nats=sticky)
         cache = HiSparseCache(cfg)
         cache.prefill(0, wl.k[:s], wl.v[:s])
         off = OffloadedCache(cache)
@@ -58,7 +62,8 @@ def main():
         per = steps * cfg.num_kv_heads
         print(json.dumps({
             "context": s, "steps": steps, "step_noise": args.step_noise,
-            "tail_sample_pages": n, "overlap_consecutive_steps": round(float(np.mean(overlap)), 3),
+            "tail_sample_pages": n, "sticky_nats": cfg.sticky_nats,
+            "overlap_consecutive_steps": round(float(np.mean(overlap)), 3),
             "hit_rate": round(c["hit_rate"], 3),
             "selection_pages_fetched_per_step_head": round(c["fetched"] / per, 2),
             "sample_pages_copied_per_step_head": round(c["sample_pages_copied"] / per, 2),

@@ -70,7 +70,8 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
 
 def _select(cfg, state, q, implementation):
     """(selected logical pages [B, Hkv, K], estimated group mass of every page
-    [B, Hkv, N] (log, -inf = not a candidate))."""
+    [B, Hkv, N] (log, -inf = not a candidate; without the stickiness bonus, which
+    is for ranking only))."""
     page_scores, _ = _ops(implementation)
     bound, mass = page_scores(group_queries(cfg, q), state.digest_center,
                               state.digest_radius, state.page_table)
@@ -78,8 +79,10 @@ def _select(cfg, state, q, implementation):
         # The last step's pages are favoured by sticky_nats in both rankings, so a
         # near-tie at the budget's edge does not swap pages every step.
         held = state.last_selected
-        mass = jnp.where(held, mass + cfg.sticky_nats, mass)
+        ranked = jnp.where(held, mass + cfg.sticky_nats, mass)
         bound = jnp.where(held[:, :, None, :], bound + cfg.sticky_nats, bound)
+    else:
+        ranked = mass
     k = min(cfg.budget_pages, cfg.max_pages)
     g = cfg.gqa_group
     # Bound pages per query head: at least one when bound_share > 0, never more than k.
@@ -118,7 +121,7 @@ def _select(cfg, state, q, implementation):
     # fill the budget: exactly k slots, bound pages first, centre pages by rank.
     b_i = jnp.arange(mass.shape[0])[:, None, None]
     h_i = jnp.arange(mass.shape[1])[None, :, None]
-    center = mass.at[b_i, h_i, jnp.where(top_b > -jnp.inf, pages_b, n_pages)].set(
+    center = ranked.at[b_i, h_i, jnp.where(top_b > -jnp.inf, pages_b, n_pages)].set(
         -jnp.inf, mode="drop")
     top_c, pages_c = jax.lax.top_k(center, k)
     priority = jnp.concatenate([

@@ -262,8 +262,9 @@ def select(bound, center, table, k, bound_share=None):
     a `bound_share` (None: HiSparseConfig's default) of the budget by Quest's bound
     (per query head when the bound is [B, Hkv, G, N]), the rest by centre score
     among the pages not yet taken. Duplicate picks of several heads are kept, and
-    the library's side pages (beside each head's top bound page) are not added:
-    the same cost, the same result on both sides."""
+    the library's side pages (beside each head's top bound page) and its
+    stickiness bonus (two elementwise selects) are not added: the same cost, the
+    same result on both sides."""
     if bound_share is None:
         bound_share = HiSparseConfig().bound_share
     if bound.ndim == 4:
