@@ -87,6 +87,14 @@ def test_cache_pallas_equals_xla(page, gqa, n0, n, nan_seq):
     else:  # the empty sequence: nothing selected, zeros
         assert np.all(sx[1] == -1) and np.all(sp[1] == -1)
         assert np.all(op[1] == 0) and np.all(ox[1] == 0)
+    # A second decode step: both favour the pages the first one selected (sticky).
+    for name in ("last_selected", "page_table"):
+        np.testing.assert_array_equal(np.asarray(getattr(caches["xla"].state, name)),
+                                      np.asarray(getattr(caches["pallas"].state, name)))
+    q2 = (q + 0.5 * rng.normal(size=q.shape)).astype(np.float32)
+    (ox2, sx2), (op2, sp2) = (_attend(caches[i], q2) for i in ("xla", "pallas"))
+    np.testing.assert_array_equal(sp2[0], sx2[0])
+    np.testing.assert_allclose(op2[0], ox2[0], rtol=RTOL, atol=ATOL)
 
 
 def test_evaluate_pallas_equals_xla():
