@@ -105,6 +105,34 @@ def _slots_of(resident, logical):
 
 
 @jax.jit
+def _buffer_slots(want, in_ws, held):
+    """Sample-buffer bookkeeping for one step, per (sequence, KV head) row: want
+    [B, Hkv, n] the sampled logical pages (-1 = none), in_ws [B, Hkv, n] whether each
+    is resident in the working set, held [B, Hkv, n] the page in each buffer slot
+    (-1 = empty). A page already held is read where it is; the others (each page
+    once) take the buffer slots no entry of this step reads, lowest first.
+    Returns (buffer slot of each entry [B, Hkv, n], -1 = not read from the buffer;
+    page to copy into each slot [B, Hkv, n], -1 = none; held after the copies)."""
+    def row(want, in_ws, held):
+        n = want.shape[0]
+        todo = (want >= 0) & ~in_ws
+        match = (want[:, None] == held[None, :]) & todo[:, None] & (held[None, :] >= 0)
+        found = jnp.any(match, axis=1)
+        need = todo & ~found
+        same = (want[:, None] == want[None, :]) & need[:, None] & need[None, :]
+        first_of = jnp.argmax(jnp.tril(same | jnp.eye(n, dtype=bool)), axis=1)
+        first = need & (first_of == jnp.arange(n))      # a page's first entry copies it
+        spare = jnp.argsort(jnp.any(match, axis=0), stable=True)  # free slots first
+        new_slot = spare[jnp.clip(jnp.cumsum(first) - 1, 0, n - 1)]
+        slot = jnp.where(found, jnp.argmax(match, axis=1),
+                         jnp.where(need, new_slot[first_of], -1))
+        copy = jnp.full(n, -1, want.dtype).at[jnp.where(first, new_slot, n)].set(
+            want, mode="drop")
+        return slot.astype(jnp.int32), copy, jnp.where(copy >= 0, copy, held)
+    return jax.vmap(jax.vmap(row))(want, in_ws, held)
+
+
+@jax.jit
 def _move_slots(ws, src):
     """Working-set data re-slotted after `scheduler.resize`: ws [Hkv, B*W, ...],
     src [B, Hkv, W'] (old slot per new slot, -1 = empty) -> [Hkv, B*W', ...]."""
@@ -167,7 +195,7 @@ class OffloadedCache:
         self.sample_ws = {f: jnp.zeros((cfg.num_kv_heads, b * cfg.sample_pages)
                                        + self.host[f].shape[2:], self.host[f].dtype)
                           for f in HOST_FIELDS}
-        self.sample_held = np.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, np.int64)
+        self.sample_held = jnp.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, jnp.int32)
         self.sample_pages_copied = 0
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.host_to_device_bytes = 0
@@ -194,7 +222,7 @@ class OffloadedCache:
     def forget(self, seq):
         """Sequence `seq` is empty: none of its pages may stay resident."""
         self.sched = scheduler.forget_sequence(self.sched, seq)
-        self.sample_held[seq] = -1
+        self.sample_held = self.sample_held.at[seq].set(-1)
 
     # ------------------------------------------------------------ the cache's API
     def prefill(self, seq: int, k, v, tokens=None):
@@ -286,35 +314,19 @@ class OffloadedCache:
         resident page, else its slot in the sample buffer (B*W + b*n + j). A page
         not in the buffer yet is copied into a slot no entry of this step uses; the
         uniform draws hold for a page's worth of steps, so most stay there."""
-        want = np.asarray(sample)
-        resident = np.asarray(_slots_of(self.sched.resident, sample))
-        n = want.shape[-1]
-        slot = np.where(resident >= 0, resident, -1).astype(np.int32)
-        base = self.cfg.max_seqs * self.working_set
-        copies = []  # (b, h, buffer slot, logical page)
-        for b, h in np.ndindex(want.shape[:2]):
-            held = self.sample_held[b, h]
-            where = {int(p): j for j, p in enumerate(held) if p >= 0}
-            todo = [i for i in range(n) if want[b, h, i] >= 0 and resident[b, h, i] < 0]
-            used = {where[int(want[b, h, i])] for i in todo if int(want[b, h, i]) in where}
-            spare = [j for j in range(n) if j not in used]
-            for i in todo:
-                p = int(want[b, h, i])
-                if p not in where:
-                    where[p] = spare.pop(0)
-                    held[where[p]] = p
-                    copies.append((b, h, where[p], p))
-                slot[b, h, i] = base + b * n + where[p]
-        if copies:
-            logical = np.full(want.shape, -1, np.int32)
-            for b, h, j, p in copies:
-                logical[b, h, j] = p
-            b, h, j, pages = self._fetch(np.asarray(_pool_pages(self.state.page_table,
-                                                                jnp.asarray(logical))))
-            self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(b * n + j),
+        sample = jnp.asarray(sample, jnp.int32)
+        resident = _slots_of(self.sched.resident, sample)
+        in_buffer, copy, self.sample_held = _buffer_slots(sample, resident >= 0,
+                                                          self.sample_held)
+        b, _, n = sample.shape
+        base = self.cfg.max_seqs * self.working_set + (jnp.arange(b) * n)[:, None, None]
+        got = self._fetch(np.asarray(_pool_pages(self.state.page_table, copy)))
+        if got is not None:
+            bi, h, j, pages = got
+            self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(bi * n + j),
                                         pages)
-            self.sample_pages_copied += len(b)
-        return jnp.asarray(slot)
+            self.sample_pages_copied += len(bi)
+        return jnp.where(resident >= 0, resident, jnp.where(in_buffer >= 0, base + in_buffer, -1))
 
     def prefetch(self, pages):
         """Layer-ahead prefetch: `pages` [B, Hkv, K'] (logical, -1 = none) is the

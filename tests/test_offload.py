@@ -73,3 +73,47 @@ def test_sample_buffer_forgets_a_released_sequence():
         c.prefill(0, b_kv.k, b_kv.v)
     # Without the buffer forgetting the released sequence this output differs.
     np.testing.assert_array_equal(np.asarray(full.attend(q)), np.asarray(off.attend(q)))
+
+
+def _buffer_slots_loop(want, in_ws, held):
+    """The sample buffer's rule, one entry at a time: a held page is read where it
+    is; a new page (once) takes the lowest slot no entry of this step reads."""
+    held = held.copy()
+    slot = np.full(want.shape, -1)
+    copy = np.full(want.shape, -1)
+    for b, h in np.ndindex(want.shape[:2]):
+        where = {int(p): j for j, p in enumerate(held[b, h]) if p >= 0}
+        todo = [i for i in range(want.shape[2]) if want[b, h, i] >= 0 and not in_ws[b, h, i]]
+        used = {where[int(want[b, h, i])] for i in todo if int(want[b, h, i]) in where}
+        spare = [j for j in range(want.shape[2]) if j not in used]
+        for i in todo:
+            p = int(want[b, h, i])
+            if p not in where:
+                where[p] = spare.pop(0)
+                held[b, h, where[p]] = copy[b, h, where[p]] = p
+            slot[b, h, i] = where[p]
+    return slot, copy, held
+
+
+@pytest.mark.parametrize("pages, resident_share, empty_share", [
+    (40, 0.3, 0.05),   # repeats within a step, some pages held from earlier steps
+    (8, 0.0, 0.0),     # few distinct pages: many repeats, the buffer fills up
+    (1000, 0.9, 0.5),  # mostly resident or empty entries
+])
+def test_sample_buffer_bookkeeping_matches_a_plain_loop(pages, resident_share, empty_share):
+    import jax.numpy as jnp
+
+    from hisparse_jax.offload import _buffer_slots
+    rng = np.random.default_rng(pages)
+    shape = (3, 2, 16)
+    held = np.full(shape, -1)
+    for _ in range(12):  # held pages carry over between steps
+        want = rng.integers(0, pages, shape)
+        want[rng.random(shape) < empty_share] = -1
+        in_ws = rng.random(shape) < resident_share
+        got = _buffer_slots(jnp.asarray(want, jnp.int32), jnp.asarray(in_ws),
+                            jnp.asarray(held, jnp.int32))
+        expect = _buffer_slots_loop(want, in_ws, held)
+        for g, e in zip(got, expect):
+            np.testing.assert_array_equal(np.asarray(g), e)
+        held = expect[2]
