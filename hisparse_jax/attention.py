@@ -266,7 +266,9 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
 
     q: [B, Hq, D] -> out [B, Hq, D] float32 (zeros for empty sequences).
     With return_selection, also the selected logical pages [B, Hkv, K] (the
-    sampled ones are not part of it).
+    sampled ones are not part of it). The selection favours the pages of
+    `state.last_selected`; `remember(cfg, state, pages)` makes this step's the
+    next step's (the cache does it in `attend`).
     """
     sel = select(cfg, state, q, implementation=implementation)
     out = attend_pages(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
