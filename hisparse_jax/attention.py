@@ -251,6 +251,10 @@ def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold
     weighted by exp(slot_logw) [B, Hkv, K]: the state's own pool, or an offload
     working set."""
     _, sparse_decode = _ops(implementation)
+    # Without a tail sample the weights are constant zeros inside decode_attention's
+    # jit, and XLA folds `logits + 0` into a different op order than the offload
+    # path, which passes them at run time; the barrier keeps both bit-equal.
+    slot_logw = jax.lax.optimization_barrier(slot_logw)
     bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
     out, _ = sparse_decode(
         group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,

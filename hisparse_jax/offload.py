@@ -315,6 +315,8 @@ class OffloadedCache:
         not in the buffer yet is copied into a slot no entry of this step uses; the
         uniform draws hold for a page's worth of steps, so most stay there."""
         sample = jnp.asarray(sample, jnp.int32)
+        if sample.shape[-1] == 0:  # tail_sample_pages=0
+            return sample
         resident = _slots_of(self.sched.resident, sample)
         in_buffer, copy, self.sample_held = _buffer_slots(sample, resident >= 0,
                                                           self.sample_held)

@@ -117,3 +117,20 @@ def test_sample_buffer_bookkeeping_matches_a_plain_loop(pages, resident_share, e
         for g, e in zip(got, expect):
             np.testing.assert_array_equal(np.asarray(g), e)
         held = expect[2]
+
+
+@pytest.mark.parametrize("tail_sample_pages", [0, 1, 32])
+def test_offload_with_any_tail_sample_size(tail_sample_pages):
+    """No sample, a one-page sample and the default: outputs equal all-resident over
+    a few steps, and only a sample copies pages into the sample buffer."""
+    wl = make_workload(context=4096, num_kv_heads=2, num_queries=2, seed=1)
+    cfg = HiSparseConfig(num_kv_heads=2, max_context=4096, budget_tokens=256,
+                         tail_sample_pages=tail_sample_pages)
+    ref, inner = (HiSparseCache(cfg, implementation="xla") for _ in range(2))
+    for c in (ref, inner):
+        c.prefill(0, wl.k, wl.v)
+    off = OffloadedCache(inner)
+    for i in range(4):
+        q = wl.q[i % 2][None]
+        np.testing.assert_array_equal(np.asarray(off.attend(q)), np.asarray(ref.attend(q)))
+    assert (off.counters()["sample_pages_copied"] > 0) == (tail_sample_pages > 0)
