@@ -64,8 +64,14 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     table entry, so they are never candidates.
     """
     logical, _ = _select(cfg, state, q, implementation)
-    pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
-    return logical, jnp.where(logical >= 0, pool, -1).astype(jnp.int32)
+    return logical, pool_pages(state.page_table, logical)
+
+
+@jax.jit
+def pool_pages(page_table: jax.Array, logical: jax.Array) -> jax.Array:
+    """Pool page of each logical page: page_table [B, N], logical [B, Hkv, K] (-1 kept)."""
+    pool = jnp.take_along_axis(page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
+    return jnp.where(logical >= 0, pool, -1).astype(jnp.int32)
 
 
 def _select(cfg, state, q, implementation):
@@ -227,8 +233,7 @@ def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: 
     -> out [B, Hq, D] float32.
     """
     logical, logw = with_sample(logical, sample, sample_logw)
-    pool = jnp.take_along_axis(state.page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
-    pool = jnp.where(logical >= 0, pool, -1)
+    pool = pool_pages(state.page_table, logical)
     cold = tuple(getattr(state, f) for f in COLD_FIELDS)
     return attend_cold_slots(cfg, state, q, cold, pool, logw, implementation=implementation)
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.attention import sample_tail
+from hisparse_jax.attention import pool_pages, sample_tail
 from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.lookup import kernel as lookup_kernel
 from pallas_kernels.lookup import reference as lookup_ref
@@ -280,10 +280,8 @@ def select(bound, center, table, k, bound_share=None):
     center = center.at[bi, hi, pages_b].set(-jnp.inf)
     top_c, pages_c = jax.lax.top_k(center, max(k - pages_b.shape[-1], 0))
     top = jnp.concatenate([top_b, top_c], axis=-1)
-    logical = jnp.concatenate([pages_b, pages_c], axis=-1)
-    pool = jnp.take_along_axis(table[:, None, :], logical, axis=2)
-    return jnp.where(top > -jnp.inf, pool, -1).astype(jnp.int32), \
-        jnp.where(top > -jnp.inf, logical, -1).astype(jnp.int32)
+    logical = jnp.where(top > -jnp.inf, jnp.concatenate([pages_b, pages_c], axis=-1), -1)
+    return pool_pages(table, logical), logical.astype(jnp.int32)
 
 
 def select_with_sample(bound, center, table, k, n, bound_share=None):
@@ -292,10 +290,8 @@ def select_with_sample(bound, center, table, k, n, bound_share=None):
     pool, logical = select(bound, center, table, k, bound_share)
     lengths = jnp.full((table.shape[0],), table.shape[1], jnp.int32)
     sample, logw = sample_tail(HiSparseConfig(tail_sample_pages=n), center, logical, lengths)
-    sample_pool = jnp.take_along_axis(table[:, None, :], jnp.maximum(sample, 0), axis=2)
-    ids = jnp.concatenate([pool, jnp.where(sample >= 0, sample_pool, -1)], axis=-1)
-    return ids.astype(jnp.int32), jnp.concatenate([jnp.zeros(pool.shape, jnp.float32), logw],
-                                                   axis=-1)
+    ids = jnp.concatenate([pool, pool_pages(table, sample)], axis=-1)
+    return ids, jnp.concatenate([jnp.zeros(pool.shape, jnp.float32), logw], axis=-1)
 
 
 DECODE_ARGS = ("q", "bf16_k", "bf16_v", "bf16_valid", "fp8_k", "fp8_v", "fp8_k_scale",

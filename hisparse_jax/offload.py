@@ -32,7 +32,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.attention import attend_cold_slots, remember, select, with_sample
+from hisparse_jax.attention import attend_cold_slots, pool_pages, remember, select, with_sample
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
 
@@ -84,13 +84,6 @@ def _fetch_pages(host, device, pool, heads, pool_ids):
 def _put_pages(ws, heads, slots, pages):
     """Write fetched pages into working-set slots: ws [Hkv, B*W, ...]."""
     return {f: ws[f].at[heads, slots].set(pages[f], mode="drop") for f in ws}
-
-
-@jax.jit
-def _pool_pages(page_table, logical):
-    """Pool page of each logical page: page_table [B, N], logical [B, Hkv, W] (-1 kept)."""
-    pool = jnp.take_along_axis(page_table[:, None, :], jnp.maximum(logical, 0), axis=2)
-    return jnp.where(logical >= 0, pool, -1)
 
 
 @jax.jit
@@ -297,7 +290,7 @@ class OffloadedCache:
         sel = select(c, self.state, q, implementation=self.implementation)
         logical = sel.pages
         plan = scheduler.plan(self.sched, logical)
-        self._copy_in(np.asarray(_pool_pages(self.state.page_table, plan.fetch)))
+        self._copy_in(np.asarray(pool_pages(self.state.page_table, plan.fetch)))
         self.sched = scheduler.apply(self.sched, plan)
         slots = jnp.concatenate([_slots_of(self.sched.resident, logical),
                                  self._sample_slots(sel.sample)], axis=-1)
@@ -322,7 +315,7 @@ class OffloadedCache:
                                                           self.sample_held)
         b, _, n = sample.shape
         base = self.cfg.max_seqs * self.working_set + (jnp.arange(b) * n)[:, None, None]
-        got = self._fetch(np.asarray(_pool_pages(self.state.page_table, copy)))
+        got = self._fetch(np.asarray(pool_pages(self.state.page_table, copy)))
         if got is not None:
             bi, h, j, pages = got
             self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(bi * n + j),
@@ -346,7 +339,7 @@ class OffloadedCache:
         if self.sched.policy.kind == "lru":
             return
         plan = scheduler.plan_prefetch(self.sched, pages)
-        self._copy_in(np.asarray(_pool_pages(self.state.page_table, plan.fetch)))
+        self._copy_in(np.asarray(pool_pages(self.state.page_table, plan.fetch)))
         self.sched = scheduler.apply_prefetch(self.sched, plan)
 
     def _copy_in(self, fetch_pool):

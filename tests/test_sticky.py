@@ -33,7 +33,7 @@ def retrieval():
                          kinds=["retrieval"] * 2, seed=5)
 
 
-def test_remember_marks_exactly_the_selected_pages(retrieval):
+def test_remember_marks_exactly_the_selected_pages():
     cfg = preset("default").replace(num_kv_heads=2, max_context=8192, max_seqs=2)
     state = init_state(cfg)
     pages = np.full((2, 2, 5), -1, np.int32)
