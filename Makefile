@@ -18,8 +18,12 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/hisparse demo
 
+# Two workers (pytest-xdist), one test module each at a time: compiling is most
+# of the suite's time and runs on one core per process.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope
 
 clean:
 	rm -rf $(VENV)

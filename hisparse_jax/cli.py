@@ -28,6 +28,18 @@ def _budget(text: str) -> int:
     return n
 
 
+def _int_list(minimum: int):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        if any(x < minimum for x in values):
+            raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {text!r}")
+        return values
+    return parse
+
+
 def load_qkv(path: str):
     """q [N, Hq, D], k/v [S, Hkv, D] from an npz; float16 or float32."""
     try:
@@ -69,15 +81,26 @@ def cmd_eval(args):
         cfg = cfg.replace(budget_tokens=args.budget_tokens)
     if args.tail_sample_pages is not None:
         cfg = cfg.replace(tail_sample_pages=args.tail_sample_pages)
+    if args.heads is not None and max(args.heads) >= q.shape[1]:
+        raise SystemExit(f"error: --heads {max(args.heads)} is not a query head "
+                         f"(q has {q.shape[1]})")
     _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
     try:
-        summary = evaluate(cfg, q, k, v).summary()
+        ev = evaluate(cfg, q, k, v)
     except ValueError as e:  # shapes the preset cannot hold (e.g. odd head_dim)
         raise SystemExit(f"error: {e}")
+    heads = slice(None) if args.heads is None else args.heads
+    summary = ev.summary(args.heads)
+    if args.oracle_budgets:
+        summary["oracle_recall_at_budget"] = {
+            str(b): float(ev.oracle_recall_at(b)[:, heads].mean()) for b in args.oracle_budgets}
     if args.json:
         print(json.dumps(summary))
-    else:
-        _print_table([(key, f"{val:.4f}") for key, val in summary.items()], ("metric", "value"))
+        return
+    rows = [(key, f"{val:.4f}") for key, val in summary.items() if not isinstance(val, dict)]
+    rows += [(f"oracle_recall at {b} tokens", f"{val:.4f}")
+             for b, val in summary.get("oracle_recall_at_budget", {}).items()]
+    _print_table(rows, ("metric", "value"))
 
 
 def cmd_bench_attention(args):
@@ -139,6 +162,11 @@ def build_parser():
     e.add_argument("--tail-sample-pages", type=int, default=None, metavar="N",
                    help="pages sampled to estimate the unselected mass (default: the "
                         "preset's, 32; 0 = selection only)")
+    e.add_argument("--heads", type=_int_list(0), default=None, metavar="I,J,...",
+                   help="report over these query heads only (e.g. your retrieval heads)")
+    e.add_argument("--oracle-budgets", type=_int_list(1), default=None, metavar="N,M,...",
+                   help="also report the oracle's recall with N, M, ... cold tokens per "
+                        "KV head: the budget this attention needs, whatever the selection")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 

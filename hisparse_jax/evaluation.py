@@ -76,6 +76,14 @@ class Evaluation:
     always_attended: np.ndarray  # [S] bool: sink/hot/warm tokens (never candidates)
     config: HiSparseConfig
 
+    def oracle_recall_at(self, budget_tokens: int) -> np.ndarray:
+        """Recall [N, Hq] of the oracle given `budget_tokens` of cold pages per KV
+        head: how large a budget this attention needs, whatever the selection."""
+        pages = -(-budget_tokens // self.config.page_size)
+        attended, _ = oracle_pages(self.config, self.weights, self.always_attended, pages)
+        g = self.weights.shape[1] // attended.shape[1]
+        return np.sum(np.where(np.repeat(attended, g, axis=1), self.weights, 0.0), axis=-1)
+
     def summary(self, heads=None) -> dict:
         """Metrics over the given query heads (all by default)."""
         sel = slice(None) if heads is None else np.asarray(heads)
@@ -141,6 +149,27 @@ def selection_recall(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
     return np.sum(np.where(np.repeat(attended, g, axis=1), w, 0.0), axis=-1)
 
 
+def oracle_pages(cfg: HiSparseConfig, weights: np.ndarray, always: np.ndarray,
+                 budget_pages: int):
+    """The oracle's selection: per KV head, the `budget_pages` cold pages with the
+    most exact mass summed over the group's query heads (this maximizes the group's
+    summed recall, so no selection of as many pages recalls more). weights [N, Hq,
+    S] exact softmax weights, always [S] the bf16/fp8 slots -> (attended [N, Hkv, S]
+    bool, the always-attended slots included; pages [N, Hkv, budget_pages], -1 =
+    none)."""
+    n, hq, s = weights.shape
+    hkv, pg = cfg.num_kv_heads, cfg.page_size
+    npg = -(-s // pg)
+    wpad = np.pad(np.where(always[None, None], 0.0, weights), ((0, 0), (0, 0), (0, npg * pg - s)))
+    page_mass = wpad.reshape(n, hkv, hq // hkv, npg, pg).sum(axis=(2, 4))  # [N, Hkv, npg]
+    best = np.argsort(-page_mass, axis=-1)[..., :min(budget_pages, npg)]
+    chosen = np.zeros((n, hkv, npg), bool)
+    np.put_along_axis(chosen, best, True, axis=-1)
+    chosen &= page_mass > 0
+    attended = np.repeat(chosen, pg, axis=2)[:, :, :s] | always[None, None, :]
+    return attended, np.where(np.take_along_axis(chosen, best, axis=-1), best, -1)
+
+
 def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *,
              implementation=None) -> Evaluation:
     """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D]."""
@@ -163,26 +192,14 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
 
     attended, always = attended_tokens(cfg, s, selected)
     attended_q = np.repeat(attended, g, axis=1)  # [N, Hq, S]
-    pg = cfg.page_size
 
     w = _dense_weights(q, k)  # [N, Hq, S]
     recall = np.sum(np.where(attended_q, w, 0.0), axis=-1)
     top10 = np.argsort(-w, axis=-1)[..., :10]
     top10_recall = np.take_along_axis(attended_q, top10, axis=-1).mean(-1)
 
-    # Oracle: per KV head, the cold pages with the most true mass (summed over the group).
-    cold = ~always
-    npg = -(-s // pg)
-    wpad = np.pad(np.where(cold[None, None], w, 0.0), ((0, 0), (0, 0), (0, npg * pg - s)))
-    page_mass = wpad.reshape(n, hkv, g, npg, pg).sum(axis=(2, 4))  # [N, Hkv, npg]
-    kb = min(cfg.budget_pages, npg)
-    best = np.argsort(-page_mass, axis=-1)[..., :kb]
-    oracle_pages = np.zeros((n, hkv, npg), bool)
-    np.put_along_axis(oracle_pages, best, True, axis=-1)
-    oracle_pages &= page_mass > 0
-    oracle_att = np.repeat(oracle_pages, pg, axis=2)[:, :, :s] | always[None, None, :]
+    oracle_att, oracle_ids = oracle_pages(cfg, w, always, cfg.budget_pages)
     oracle_recall = np.sum(np.where(np.repeat(oracle_att, g, axis=1), w, 0.0), axis=-1)
-    oracle_ids = np.where(np.take_along_axis(oracle_pages, best, axis=-1), best, -1)
 
     def attend_only(pages):  # [N, Hkv, K] logical -> outputs without a tail sample
         return np.stack([np.asarray(attend_pages(

@@ -120,3 +120,27 @@ def test_capacity_json(capsys):
 def test_capacity_bad_size():
     with pytest.raises(SystemExit):
         main(["capacity", "--device-memory", "lots"])
+
+
+def test_eval_heads_and_oracle_budgets(tmp_path, capsys):
+    path = str(_npz(tmp_path, 64))
+    main(["eval", "--qkv", path, "--budget-tokens", "256", "--json"])
+    every_head = json.loads(capsys.readouterr().out)
+    main(["eval", "--qkv", path, "--budget-tokens", "256", "--heads", "0,1",
+          "--oracle-budgets", "128,256,1024,4096", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    curve = [row["oracle_recall_at_budget"][b] for b in ("128", "256", "1024", "4096")]
+    assert curve == sorted(curve) and curve[0] < curve[-1]  # more budget, more recall
+    assert curve[1] == pytest.approx(row["oracle_recall_mean"], abs=1e-9)  # the budget in use
+    assert curve[-1] == pytest.approx(1.0, abs=1e-5)  # 4096 tokens hold all 3000
+    # Heads 0 and 1 are sink heads (kinds cycle per KV head): not every head's mean.
+    assert row["recall_mean"] != pytest.approx(every_head["recall_mean"], abs=1e-4)
+    main(["eval", "--qkv", path, "--oracle-budgets", "512"])
+    assert "oracle_recall at 512 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [("--heads", "4"), ("--heads", "-1"),
+                                        ("--heads", "a,b"), ("--oracle-budgets", "0")])
+def test_eval_bad_heads_or_oracle_budgets(tmp_path, flag, value):
+    with pytest.raises(SystemExit):
+        main(["eval", "--qkv", str(_npz(tmp_path, 64)), flag, value])
