@@ -17,12 +17,14 @@ import pathlib
 # with jax_log_compiles). Programs compiled again after `_drop_compiled_programs`,
 # by the other xdist worker or by the CLI subprocesses are read back from disk.
 # The cache is keyed by the program, the compile options and the jax version, so
-# a stale entry can never be used. Set before jax is imported so that subprocesses
+# a stale entry can never be used; past 2 GiB the least recently used entries go
+# (one cold run writes ~0.75 GiB). Set before jax is imported so that subprocesses
 # inherit it.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax
 import pytest
