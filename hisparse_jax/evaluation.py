@@ -81,8 +81,7 @@ class Evaluation:
         head: how large a budget this attention needs, whatever the selection."""
         pages = -(-budget_tokens // self.config.page_size)
         attended, _ = oracle_pages(self.config, self.weights, self.always_attended, pages)
-        g = self.weights.shape[1] // attended.shape[1]
-        return np.sum(np.where(np.repeat(attended, g, axis=1), self.weights, 0.0), axis=-1)
+        return mass_on(attended, self.weights)
 
     def summary(self, heads=None) -> dict:
         """Metrics over the given query heads (all by default)."""
@@ -139,14 +138,19 @@ def attended_tokens(cfg: HiSparseConfig, s: int, selected: np.ndarray):
     return attended, always
 
 
+def mass_on(attended: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Recall [N, Hq]: the exact mass weights [N, Hq, S] puts on the tokens each KV
+    head attends, attended [N, Hkv, S] bool."""
+    g = weights.shape[1] // attended.shape[1]
+    return np.sum(np.where(np.repeat(attended, g, axis=1), weights, 0.0), axis=-1)
+
+
 def selection_recall(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
                      selected: np.ndarray) -> np.ndarray:
     """Attention-mass recall [N, Hq] of given selections (DESIGN §4): queries q
     [N, Hq, D] over one sequence's keys k [S, Hkv, D], selected [N, Hkv, K]."""
     attended, _ = attended_tokens(cfg, k.shape[0], np.asarray(selected))
-    g = q.shape[1] // k.shape[1]
-    w = _dense_weights(np.asarray(q, np.float32), np.asarray(k, np.float32))
-    return np.sum(np.where(np.repeat(attended, g, axis=1), w, 0.0), axis=-1)
+    return mass_on(attended, _dense_weights(np.asarray(q, np.float32), np.asarray(k, np.float32)))
 
 
 def oracle_pages(cfg: HiSparseConfig, weights: np.ndarray, always: np.ndarray,
@@ -194,12 +198,12 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     attended_q = np.repeat(attended, g, axis=1)  # [N, Hq, S]
 
     w = _dense_weights(q, k)  # [N, Hq, S]
-    recall = np.sum(np.where(attended_q, w, 0.0), axis=-1)
+    recall = mass_on(attended, w)
     top10 = np.argsort(-w, axis=-1)[..., :10]
     top10_recall = np.take_along_axis(attended_q, top10, axis=-1).mean(-1)
 
     oracle_att, oracle_ids = oracle_pages(cfg, w, always, cfg.budget_pages)
-    oracle_recall = np.sum(np.where(np.repeat(oracle_att, g, axis=1), w, 0.0), axis=-1)
+    oracle_recall = mass_on(oracle_att, w)
 
     def attend_only(pages):  # [N, Hkv, K] logical -> outputs without a tail sample
         return np.stack([np.asarray(attend_pages(
