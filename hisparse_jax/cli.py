@@ -86,7 +86,7 @@ def cmd_eval(args):
                          f"(q has {q.shape[1]})")
     _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
     try:
-        ev = evaluate(cfg, q, k, v)
+        ev = evaluate(cfg, q, k, v, log=_log)
     except ValueError as e:  # shapes the preset cannot hold (e.g. odd head_dim)
         raise SystemExit(f"error: {e}")
     heads = slice(None) if args.heads is None else args.heads

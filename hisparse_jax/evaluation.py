@@ -15,6 +15,9 @@ HiSparse estimates it from an importance sample of the unselected pages
 (`attention.sample_tail`); unsampled_selection_error is its selection error
 without that estimate. Recall counts the selected pages only: a sampled page is
 read, but it stands for many pages, not for its own mass.
+
+The exact weights are reduced to per-page masses a few queries at a time
+(`ExactMass`), so memory does not grow with queries x heads x context.
 """
 
 from __future__ import annotations
@@ -43,20 +46,117 @@ def config_for(cfg: HiSparseConfig, k: np.ndarray, gqa_group: int) -> HiSparseCo
                        max_context=max(pg, -(-s // pg) * pg), num_pool_pages=None)
 
 
-def _dense_weights(q, k, chunk=8):
-    """Exact softmax weights [N, Hq, S] (float32), a few queries at a time."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    kk = jnp.asarray(k).transpose(1, 0, 2)  # [Hkv, S, D]
-
-    @jax.jit
-    def weights(qc):
-        qg = qc.reshape(qc.shape[0], hkv, hq // hkv, d)
+def _softmax_fn(hkv: int):
+    """Exact softmax weights [c, Hq, S] (float32) of queries [c, Hq, D] over kk [Hkv, S, D]."""
+    def weights(qc, kk):
+        c, hq, d = qc.shape
+        qg = qc.reshape(c, hkv, hq // hkv, d)
         logits = jnp.einsum("nhgd,hsd->nhgs", qg, kk) / math.sqrt(d)
-        return jax.nn.softmax(logits, axis=-1).reshape(qc.shape[0], hq, -1)
+        return jax.nn.softmax(logits, axis=-1).reshape(c, hq, -1)
+    return weights
 
-    return np.concatenate([np.asarray(weights(jnp.asarray(q[i:i + chunk])))
-                           for i in range(0, n, chunk)])
+
+def always_attended(cfg: HiSparseConfig, s: int) -> np.ndarray:
+    """[S] bool: the live sink/hot/warm slots of a sequence of s tokens (attended by
+    every query, never selection candidates)."""
+    always = np.zeros(s, bool)
+    for p in slot_positions(cfg, jnp.array([s])):
+        p = np.asarray(p[0])
+        always[p[p >= 0]] = True
+    return always
+
+
+@dataclasses.dataclass
+class ExactMass:
+    """Exact attention of N queries over one sequence, kept page by page.
+
+    Recall, top-10 recall and the oracle need only each page's mass, so the
+    [N, Hq, S] weights are never held at once: at 1M tokens and 32 query heads
+    they are 128 MiB per query.
+    """
+    page_mass: np.ndarray    # [N, Hq, P] mass on each page's candidate tokens
+    always_mass: np.ndarray  # [N, Hq] mass on the sink/hot/warm slots
+    top10: np.ndarray        # [N, Hq, min(10, S)] the heaviest tokens
+    always: np.ndarray       # [S] bool, the sink/hot/warm slots
+    page_size: int
+    q: np.ndarray            # [N, Hq, D] float32, kept to recompute token weights
+    k: np.ndarray            # [S, Hkv, D] float32
+
+    @classmethod
+    def compute(cls, cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
+                chunk_bytes: int = 1 << 28) -> ExactMass:
+        """For queries q [N, Hq, D] over keys k [S, Hkv, D] (float32), a few queries at
+        a time (about `chunk_bytes` of weights each)."""
+        n, hq, _ = q.shape
+        s, hkv, _ = k.shape
+        pg = cfg.page_size
+        npg = -(-s // pg)
+        always = always_attended(cfg, s)
+        cold = jnp.asarray(np.pad(~always, (0, npg * pg - s)))
+        weights = _softmax_fn(hkv)
+
+        @jax.jit
+        def masses(qc, kk):
+            w = weights(qc, kk)
+            wpad = jnp.pad(w, ((0, 0), (0, 0), (0, npg * pg - s)))
+            page = jnp.where(cold, wpad, 0.0).reshape(*w.shape[:2], npg, pg).sum(-1)
+            return page, jnp.where(cold, 0.0, wpad).sum(-1), jax.lax.top_k(w, min(10, s))[1]
+
+        chunk = max(1, min(n, chunk_bytes // (hq * s * 4)))
+        qpad = np.pad(q, ((0, -n % chunk), (0, 0), (0, 0)))  # one shape, one compile
+        kk = jnp.asarray(k).transpose(1, 0, 2)
+        parts = [masses(jnp.asarray(qpad[i:i + chunk]), kk) for i in range(0, n, chunk)]
+        page, alw, top10 = (np.concatenate([np.asarray(p[j]) for p in parts])[:n]
+                            for j in range(3))
+        return cls(page_mass=page, always_mass=alw, top10=top10, always=always,
+                   page_size=pg, q=q, k=k)
+
+    def token_weights(self, n: int) -> np.ndarray:
+        """[Hq, S] exact weights of query n."""
+        kk = jnp.asarray(self.k).transpose(1, 0, 2)
+        return np.asarray(_softmax_fn(self.k.shape[1])(jnp.asarray(self.q[n:n + 1]), kk)[0])
+
+    def page_mask(self, pages: np.ndarray) -> np.ndarray:
+        """pages [N, Hkv, K] logical ids (-1 = none) -> [N, Hkv, P] bool."""
+        pages = np.asarray(pages)
+        npg = self.page_mass.shape[-1]
+        mask = np.zeros((*pages.shape[:2], npg), bool)
+        ni, hi, ki = np.nonzero((pages >= 0) & (pages < npg))
+        mask[ni, hi, pages[ni, hi, ki]] = True
+        return mask
+
+    def _per_query_head(self, mask):
+        return np.repeat(mask, self.page_mass.shape[1] // mask.shape[1], axis=1)
+
+    def recall(self, pages: np.ndarray) -> np.ndarray:
+        """[N, Hq]: the exact mass on the tokens attended when each KV head reads the
+        sink/hot/warm slots and its `pages` [N, Hkv, K] (DESIGN §4)."""
+        mask = self._per_query_head(self.page_mask(pages))
+        return self.always_mass + np.sum(np.where(mask, self.page_mass, 0.0), axis=-1)
+
+    def top10_recall(self, pages: np.ndarray) -> np.ndarray:
+        """[N, Hq]: share of each head's 10 heaviest tokens that are attended."""
+        mask = self._per_query_head(self.page_mask(pages))
+        hit = np.take_along_axis(mask, self.top10 // self.page_size, axis=-1)
+        return (hit | self.always[self.top10]).mean(-1)
+
+    def attended_fraction(self, pages: np.ndarray) -> float:
+        """Mean share of the sequence's tokens each KV head attends."""
+        s, pg = self.always.size, self.page_size
+        cold_tokens = np.pad(~self.always, (0, self.page_mass.shape[-1] * pg - s))
+        cold_tokens = cold_tokens.reshape(-1, pg).sum(-1)
+        return float((self.page_mask(pages) @ cold_tokens + self.always.sum()).mean() / s)
+
+    def oracle(self, budget_pages: int) -> np.ndarray:
+        """The oracle's selection [N, Hkv, budget_pages] (-1 = none): per KV head, the
+        cold pages with the most exact mass summed over the group's query heads. This
+        maximizes the group's summed recall: no selection of as many pages recalls
+        more."""
+        n, hq, npg = self.page_mass.shape
+        hkv = self.k.shape[1]
+        group = self.page_mass.reshape(n, hkv, hq // hkv, npg).sum(axis=2)
+        best = np.argsort(-group, axis=-1)[..., :min(budget_pages, npg)]
+        return np.where(np.take_along_axis(group, best, axis=-1) > 0, best, -1)
 
 
 @dataclasses.dataclass
@@ -72,16 +172,13 @@ class Evaluation:
     top10_recall: np.ndarray    # [N, Hq]
     attended_fraction: float
     selected_pages: np.ndarray  # [N, Hkv, K] logical pages (-1 = none)
-    weights: np.ndarray         # [N, Hq, S] exact softmax weights
-    always_attended: np.ndarray  # [S] bool: sink/hot/warm tokens (never candidates)
+    exact: ExactMass
     config: HiSparseConfig
 
     def oracle_recall_at(self, budget_tokens: int) -> np.ndarray:
         """Recall [N, Hq] of the oracle given `budget_tokens` of cold pages per KV
         head: how large a budget this attention needs, whatever the selection."""
-        pages = -(-budget_tokens // self.config.page_size)
-        attended, _ = oracle_pages(self.config, self.weights, self.always_attended, pages)
-        return mass_on(attended, self.weights)
+        return self.exact.recall(self.exact.oracle(-(-budget_tokens // self.config.page_size)))
 
     def summary(self, heads=None) -> dict:
         """Metrics over the given query heads (all by default)."""
@@ -122,88 +219,44 @@ def _attend_all(cfg, state, q, implementation):
     return np.stack(outs), np.stack(sel)
 
 
-def attended_tokens(cfg: HiSparseConfig, s: int, selected: np.ndarray):
-    """(attended [N, Hkv, S] bool: the live bf16/fp8 slots of a sequence of s tokens
-    plus the tokens of each selected cold page (selected [N, Hkv, K] logical, -1 =
-    none); always [S] bool: the bf16/fp8 slots alone)."""
-    always = np.zeros(s, bool)
-    for p in slot_positions(cfg, jnp.array([s])):
-        p = np.asarray(p[0])
-        always[p[p >= 0]] = True
-    n, hkv, _ = selected.shape
-    page_mask = np.zeros((n, hkv, cfg.max_pages), bool)
-    ni, hi, ki = np.nonzero(selected >= 0)
-    page_mask[ni, hi, selected[ni, hi, ki]] = True
-    attended = np.repeat(page_mask, cfg.page_size, axis=2)[:, :, :s] | always[None, None, :]
-    return attended, always
-
-
-def mass_on(attended: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Recall [N, Hq]: the exact mass weights [N, Hq, S] puts on the tokens each KV
-    head attends, attended [N, Hkv, S] bool."""
-    g = weights.shape[1] // attended.shape[1]
-    return np.sum(np.where(np.repeat(attended, g, axis=1), weights, 0.0), axis=-1)
-
-
 def selection_recall(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
                      selected: np.ndarray) -> np.ndarray:
     """Attention-mass recall [N, Hq] of given selections (DESIGN §4): queries q
     [N, Hq, D] over one sequence's keys k [S, Hkv, D], selected [N, Hkv, K]."""
-    attended, _ = attended_tokens(cfg, k.shape[0], np.asarray(selected))
-    return mass_on(attended, _dense_weights(np.asarray(q, np.float32), np.asarray(k, np.float32)))
-
-
-def oracle_pages(cfg: HiSparseConfig, weights: np.ndarray, always: np.ndarray,
-                 budget_pages: int):
-    """The oracle's selection: per KV head, the `budget_pages` cold pages with the
-    most exact mass summed over the group's query heads (this maximizes the group's
-    summed recall, so no selection of as many pages recalls more). weights [N, Hq,
-    S] exact softmax weights, always [S] the bf16/fp8 slots -> (attended [N, Hkv, S]
-    bool, the always-attended slots included; pages [N, Hkv, budget_pages], -1 =
-    none)."""
-    n, hq, s = weights.shape
-    hkv, pg = cfg.num_kv_heads, cfg.page_size
-    npg = -(-s // pg)
-    wpad = np.pad(np.where(always[None, None], 0.0, weights), ((0, 0), (0, 0), (0, npg * pg - s)))
-    page_mass = wpad.reshape(n, hkv, hq // hkv, npg, pg).sum(axis=(2, 4))  # [N, Hkv, npg]
-    best = np.argsort(-page_mass, axis=-1)[..., :min(budget_pages, npg)]
-    chosen = np.zeros((n, hkv, npg), bool)
-    np.put_along_axis(chosen, best, True, axis=-1)
-    chosen &= page_mass > 0
-    attended = np.repeat(chosen, pg, axis=2)[:, :, :s] | always[None, None, :]
-    return attended, np.where(np.take_along_axis(chosen, best, axis=-1), best, -1)
+    exact = ExactMass.compute(cfg, np.asarray(q, np.float32), np.asarray(k, np.float32))
+    return exact.recall(selected)
 
 
 def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *,
-             implementation=None) -> Evaluation:
-    """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D]."""
+             implementation=None, log=None) -> Evaluation:
+    """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D].
+    `log` (e.g. print) gets a line per pass: at 1M tokens each takes minutes."""
+    log = log or (lambda msg: None)
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     n, hq, _ = q.shape
     s, hkv, _ = k.shape
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    g = hq // hkv
-    cfg = config_for(cfg, k, g)
+    cfg = config_for(cfg, k, hq // hkv)
+    log(f"[1/5] filling the cache with {s} tokens ...")
     cache = HiSparseCache(cfg, implementation)
     cache.prefill(0, k, v)
+    log(f"[2/5] HiSparse decode attention, {n} queries ...")
     out, selected = _attend_all(cfg, cache.state, q, implementation)
-    full_cfg = cfg.replace(budget_tokens=FULL_BUDGET)
-    out_all, _ = _attend_all(full_cfg, cache.state, q, implementation)
+    log(f"[3/5] every page attended (quantization error alone), {n} queries ...")
+    out_all, _ = _attend_all(cfg.replace(budget_tokens=FULL_BUDGET), cache.state, q,
+                             implementation)
+    log(f"[4/5] exact dense attention, {n} queries ...")
     kd = jnp.asarray(k).transpose(1, 0, 2)[None]
     vd = jnp.asarray(v).transpose(1, 0, 2)[None]
     dense = np.stack([np.asarray(dense_decode_attention(jnp.asarray(q[i:i + 1]), kd, vd,
                                                         jnp.array([s]))[0]) for i in range(n)])
+    del kd, vd
+    exact = ExactMass.compute(cfg, q, k)
+    oracle_ids = exact.oracle(cfg.budget_pages)
 
-    attended, always = attended_tokens(cfg, s, selected)
-    attended_q = np.repeat(attended, g, axis=1)  # [N, Hq, S]
-
-    w = _dense_weights(q, k)  # [N, Hq, S]
-    recall = mass_on(attended, w)
-    top10 = np.argsort(-w, axis=-1)[..., :10]
-    top10_recall = np.take_along_axis(attended_q, top10, axis=-1).mean(-1)
-
-    oracle_att, oracle_ids = oracle_pages(cfg, w, always, cfg.budget_pages)
-    oracle_recall = mass_on(oracle_att, w)
+    log(f"[5/5] the oracle's pages, and the selection without its tail estimate, "
+        f"{n} queries ...")
 
     def attend_only(pages):  # [N, Hkv, K] logical -> outputs without a tail sample
         return np.stack([np.asarray(attend_pages(
@@ -216,12 +269,14 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
         return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
 
     return Evaluation(
-        recall=recall, oracle_recall=oracle_recall, rel_error=rel(out, dense),
+        recall=exact.recall(selected), oracle_recall=exact.recall(oracle_ids),
+        rel_error=rel(out, dense),
         selection_error=rel(out, out_all), oracle_selection_error=rel(out_oracle, out_all),
         unsampled_selection_error=rel(out_unsampled, out_all),
         quant_error=rel(out_all, dense),
-        top10_recall=top10_recall, attended_fraction=float(attended.mean()),
-        selected_pages=selected, weights=w, always_attended=always, config=cfg)
+        top10_recall=exact.top10_recall(selected),
+        attended_fraction=exact.attended_fraction(selected),
+        selected_pages=selected, exact=exact, config=cfg)
 
 
 def _needle_pages(ev: Evaluation, targets: np.ndarray):
@@ -229,10 +284,13 @@ def _needle_pages(ev: Evaluation, targets: np.ndarray):
     pages attended anyway, pages selected). targets [N, Hq, 2]: the token span
     (start, end) each query head asks for, -1 where none."""
     pg, g = ev.config.page_size, ev.config.gqa_group
-    live = set((np.flatnonzero(ev.always_attended) // pg).tolist())
-    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):
+    live = set((np.flatnonzero(ev.exact.always) // pg).tolist())
+    weights, weights_of = None, None
+    for n, hq in zip(*np.nonzero(targets[..., 0] >= 0)):  # in query order
+        if weights_of != n:
+            weights, weights_of = ev.exact.token_weights(n), n
         start, end = targets[n, hq]
-        masses = {p: float(ev.weights[n, hq, max(start, p * pg):min(end, (p + 1) * pg)].sum())
+        masses = {p: float(weights[hq, max(start, p * pg):min(end, (p + 1) * pg)].sum())
                   for p in range(start // pg, (end - 1) // pg + 1)}
         yield masses, live, set(ev.selected_pages[n, hq // g].tolist())
 
