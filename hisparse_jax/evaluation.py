@@ -37,12 +37,15 @@ from hisparse_jax.state import slot_positions
 
 
 def config_for(cfg: HiSparseConfig, k: np.ndarray, gqa_group: int) -> HiSparseConfig:
-    """`cfg` reshaped to hold one sequence of k [S, Hkv, D] (the value group shrinks
-    to D/2 for small heads, e.g. 16 channels at head_dim 32)."""
+    """`cfg` reshaped to hold one sequence of k [S, Hkv, D]. The value group becomes
+    the largest divisor of D/2 up to the preset's: 16 channels at head_dim 32, 24
+    at 96, 20 at 80 (groups may not straddle the two packed halves)."""
     s, hkv, d = k.shape
     pg = cfg.page_size
+    half = max(1, d // 2)
+    group = max(x for x in range(1, min(cfg.value_group, half) + 1) if half % x == 0)
     return cfg.replace(num_kv_heads=hkv, gqa_group=gqa_group, head_dim=d, max_seqs=1,
-                       value_group=min(cfg.value_group, max(1, d // 2)),
+                       value_group=group,
                        max_context=max(pg, -(-s // pg) * pg), num_pool_pages=None)
 
 

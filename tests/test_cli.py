@@ -20,7 +20,8 @@ def _npz(tmp_path, d, dtype=np.float16, s=3000, name="qkv.npz"):
     return path
 
 
-@pytest.mark.parametrize("d,dtype", [(32, np.float16), (64, np.float32), (128, np.float16)])
+@pytest.mark.parametrize("d,dtype", [(32, np.float16), (64, np.float32), (128, np.float16),
+                                     (96, np.float32)])  # 96: Phi-3's head_dim
 def test_eval_json(tmp_path, capsys, d, dtype):
     main(["eval", "--qkv", str(_npz(tmp_path, d, dtype)), "--budget-tokens", "256", "--json"])
     row = json.loads(capsys.readouterr().out)
