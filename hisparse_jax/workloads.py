@@ -177,15 +177,20 @@ def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, he
         # a sampled share of the exact softmax mass on its structure.
         k_post = rope(k_raw[:, h:h + 1], pos)[:, 0]  # [S, D]
         sink_key = k_post[0] - k_post[1:].mean(0)
-        local_key = rope(local[None, S - 1:S], np.full(1, S - 1))[0, 0]
-        q_noise_scale = np.ones(D, np.float32)
-        q_noise_scale[outl] = 0.05  # trained queries barely read the massive key channels
+        # Trained queries barely read the massive key channels. The local term must
+        # not either: through them it picked up the slowly rotating per-head mean, a
+        # trend over the whole context, and on some seeds the solve then needed
+        # logits of 50-150,000 (or never reached its share) where real heads stay
+        # below ~50 (Gemma 2 soft-caps its attention logits at 50).
+        read = np.ones(D, np.float32)
+        read[outl] = 0.05
+        local_key = rope(local[None, S - 1:S], np.full(1, S - 1))[0, 0] * read
         recent = pos >= S - int(4 * width)
         for g in range(G):
             hq = h * G + g
             kind = kinds[hq]
             for n in range(num_queries):
-                qv = _unit(rng, D) * q_noise_scale * (np.sqrt(D) / key_std)  # logit std ~1
+                qv = _unit(rng, D) * read * (np.sqrt(D) / key_std)  # logit std ~1
                 if kind != "sink":  # every head leaks some mass to the sink
                     qv += _aim(sink_key, log_s + rng.uniform(-5.0, -1.0), D)
                 if kind == "sink":  # sink + recent window (the StreamingLLM pattern)
