@@ -180,8 +180,8 @@ def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, he
         # Trained queries barely read the massive key channels. The local term must
         # not either: through them it picked up the slowly rotating per-head mean, a
         # trend over the whole context, and on some seeds the solve then needed
-        # logits of 50-150,000 (or never reached its share) where real heads stay
-        # below ~50 (Gemma 2 soft-caps its attention logits at 50).
+        # max logits of 118-157,000 (or never reached its share) where real heads
+        # stay below ~50 (Gemma 2 soft-caps its attention logits at 50).
         read = np.ones(D, np.float32)
         read[outl] = 0.05
         local_key = rope(local[None, S - 1:S], np.full(1, S - 1))[0, 0] * read
