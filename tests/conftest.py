@@ -45,12 +45,6 @@ def pytest_configure(config):
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(items):
-    """test_quality first: it is over a third of the suite (162 of 446 s warm), and
-    collected in name order it ran last on one xdist worker while the other idled."""
-    items.sort(key=lambda item: item.path.name != "test_quality.py")  # stable sort
-
-
 @pytest.fixture(params=[
     pytest.param("xla", id="xla"),
     pytest.param("pallas", id="pallas", marks=pytest.mark.filterwarnings(PALLAS_WARNING)),
