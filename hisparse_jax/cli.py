@@ -89,11 +89,7 @@ def cmd_eval(args):
         ev = evaluate(cfg, q, k, v, log=_log)
     except ValueError as e:  # shapes the preset cannot hold (e.g. odd head_dim)
         raise SystemExit(f"error: {e}")
-    heads = slice(None) if args.heads is None else args.heads
-    summary = ev.summary(args.heads)
-    if args.oracle_budgets:
-        summary["oracle_recall_at_budget"] = {
-            str(b): float(ev.oracle_recall_at(b)[:, heads].mean()) for b in args.oracle_budgets}
+    summary = ev.summary(args.heads, args.oracle_budgets or ())
     if args.json:
         print(json.dumps(summary))
         return

@@ -23,6 +23,7 @@ The exact weights are reduced to per-page masses a few queries at a time
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -49,14 +50,26 @@ def config_for(cfg: HiSparseConfig, k: np.ndarray, gqa_group: int) -> HiSparseCo
                        max_context=max(pg, -(-s // pg) * pg), num_pool_pages=None)
 
 
-def _softmax_fn(hkv: int):
+@jax.jit
+def _softmax(qc: jax.Array, kk: jax.Array) -> jax.Array:
     """Exact softmax weights [c, Hq, S] (float32) of queries [c, Hq, D] over kk [Hkv, S, D]."""
-    def weights(qc, kk):
-        c, hq, d = qc.shape
-        qg = qc.reshape(c, hkv, hq // hkv, d)
-        logits = jnp.einsum("nhgd,hsd->nhgs", qg, kk) / math.sqrt(d)
-        return jax.nn.softmax(logits, axis=-1).reshape(c, hq, -1)
-    return weights
+    c, hq, d = qc.shape
+    hkv = kk.shape[0]
+    logits = jnp.einsum("nhgd,hsd->nhgs", qc.reshape(c, hkv, hq // hkv, d), kk) / math.sqrt(d)
+    return jax.nn.softmax(logits, axis=-1).reshape(c, hq, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _page_masses(qc, kk, cold, *, page_size):
+    """(mass on each page's candidate tokens [c, Hq, P], mass on the sink/hot/warm
+    slots [c, Hq], the 10 heaviest tokens [c, Hq, min(10, S)]); cold [P * page] bool,
+    False for those slots and for padding."""
+    w = _softmax(qc, kk)
+    s = w.shape[-1]
+    wpad = jnp.pad(w, ((0, 0), (0, 0), (0, cold.shape[0] - s)))
+    page = jnp.where(cold, wpad, 0.0).reshape(*w.shape[:2], -1, page_size).sum(-1)
+    always = jnp.where(cold, 0.0, wpad).sum(-1)
+    return page, always, jax.lax.top_k(w, min(10, s))[1]
 
 
 def always_attended(cfg: HiSparseConfig, s: int) -> np.ndarray:
@@ -83,7 +96,7 @@ class ExactMass:
     always: np.ndarray       # [S] bool, the sink/hot/warm slots
     page_size: int
     q: np.ndarray            # [N, Hq, D] float32, kept to recompute token weights
-    k: np.ndarray            # [S, Hkv, D] float32
+    kk: jax.Array            # [Hkv, S, D] float32, the keys head-major (as dense attention)
 
     @classmethod
     def compute(cls, cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
@@ -91,33 +104,23 @@ class ExactMass:
         """For queries q [N, Hq, D] over keys k [S, Hkv, D] (float32), a few queries at
         a time (about `chunk_bytes` of weights each)."""
         n, hq, _ = q.shape
-        s, hkv, _ = k.shape
+        s = k.shape[0]
         pg = cfg.page_size
-        npg = -(-s // pg)
         always = always_attended(cfg, s)
-        cold = jnp.asarray(np.pad(~always, (0, npg * pg - s)))
-        weights = _softmax_fn(hkv)
-
-        @jax.jit
-        def masses(qc, kk):
-            w = weights(qc, kk)
-            wpad = jnp.pad(w, ((0, 0), (0, 0), (0, npg * pg - s)))
-            page = jnp.where(cold, wpad, 0.0).reshape(*w.shape[:2], npg, pg).sum(-1)
-            return page, jnp.where(cold, 0.0, wpad).sum(-1), jax.lax.top_k(w, min(10, s))[1]
-
+        cold = jnp.asarray(np.pad(~always, (0, -s % pg)))
         chunk = max(1, min(n, chunk_bytes // (hq * s * 4)))
         qpad = np.pad(q, ((0, -n % chunk), (0, 0), (0, 0)))  # one shape, one compile
         kk = jnp.asarray(k).transpose(1, 0, 2)
-        parts = [masses(jnp.asarray(qpad[i:i + chunk]), kk) for i in range(0, n, chunk)]
+        parts = [_page_masses(jnp.asarray(qpad[i:i + chunk]), kk, cold, page_size=pg)
+                 for i in range(0, n, chunk)]
         page, alw, top10 = (np.concatenate([np.asarray(p[j]) for p in parts])[:n]
                             for j in range(3))
         return cls(page_mass=page, always_mass=alw, top10=top10, always=always,
-                   page_size=pg, q=q, k=k)
+                   page_size=pg, q=q, kk=kk)
 
     def token_weights(self, n: int) -> np.ndarray:
         """[Hq, S] exact weights of query n."""
-        kk = jnp.asarray(self.k).transpose(1, 0, 2)
-        return np.asarray(_softmax_fn(self.k.shape[1])(jnp.asarray(self.q[n:n + 1]), kk)[0])
+        return np.asarray(_softmax(jnp.asarray(self.q[n:n + 1]), self.kk)[0])
 
     def page_mask(self, pages: np.ndarray) -> np.ndarray:
         """pages [N, Hkv, K] logical ids (-1 = none) -> [N, Hkv, P] bool."""
@@ -156,7 +159,7 @@ class ExactMass:
         maximizes the group's summed recall: no selection of as many pages recalls
         more."""
         n, hq, npg = self.page_mass.shape
-        hkv = self.k.shape[1]
+        hkv = self.kk.shape[0]
         group = self.page_mass.reshape(n, hkv, hq // hkv, npg).sum(axis=2)
         best = np.argsort(-group, axis=-1)[..., :min(budget_pages, npg)]
         return np.where(np.take_along_axis(group, best, axis=-1) > 0, best, -1)
@@ -183,14 +186,16 @@ class Evaluation:
         head: how large a budget this attention needs, whatever the selection."""
         return self.exact.recall(self.exact.oracle(-(-budget_tokens // self.config.page_size)))
 
-    def summary(self, heads=None) -> dict:
-        """Metrics over the given query heads (all by default)."""
+    def summary(self, heads=None, oracle_budgets=()) -> dict:
+        """Metrics over the given query heads (all by default), and with
+        `oracle_budgets` (cold tokens) the oracle's recall at each of them
+        (`oracle_recall_at_budget`)."""
         sel = slice(None) if heads is None else np.asarray(heads)
 
         def m(x):
             return x[:, sel].ravel()
         cap = layout.capacity_report(self.config, self.config.max_context)
-        return {
+        out = {
             "recall_mean": float(m(self.recall).mean()),
             "recall_p5": float(np.percentile(m(self.recall), 5)),
             "oracle_recall_mean": float(m(self.oracle_recall).mean()),
@@ -208,6 +213,10 @@ class Evaluation:
             "device_bytes_per_token": cap["device_bytes_per_token"],
             "capacity_vs_bf16": cap["capacity_vs_bf16"],
         }
+        if oracle_budgets:
+            out["oracle_recall_at_budget"] = {
+                str(b): float(m(self.oracle_recall_at(b)).mean()) for b in oracle_budgets}
+        return out
 
 
 def _attend_all(cfg, state, q, implementation):
@@ -250,14 +259,12 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     out_all, _ = _attend_all(cfg.replace(budget_tokens=FULL_BUDGET), cache.state, q,
                              implementation)
     log(f"[4/5] exact dense attention, {n} queries ...")
-    kd = jnp.asarray(k).transpose(1, 0, 2)[None]
-    vd = jnp.asarray(v).transpose(1, 0, 2)[None]
-    dense = np.stack([np.asarray(dense_decode_attention(jnp.asarray(q[i:i + 1]), kd, vd,
-                                                        jnp.array([s]))[0]) for i in range(n)])
-    del kd, vd
     exact = ExactMass.compute(cfg, q, k)
+    vd = jnp.asarray(v).transpose(1, 0, 2)[None]
+    dense = np.stack([np.asarray(dense_decode_attention(jnp.asarray(q[i:i + 1]), exact.kk[None],
+                                                        vd, jnp.array([s]))[0]) for i in range(n)])
+    del vd
     oracle_ids = exact.oracle(cfg.budget_pages)
-
     log(f"[5/5] the oracle's pages, and the selection without its tail estimate, "
         f"{n} queries ...")
 
