@@ -9,7 +9,7 @@ import pytest
 from hisparse_jax import attention
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
 from hisparse_jax.evaluation import evaluate, needle_pages_hit, needles_found
-from hisparse_jax.workloads import CONCENTRATED, make_workload
+from hisparse_jax.workloads import CONCENTRATED, HEAD_KINDS, make_workload
 
 CASES = {"32k": (32768, 11), "128k": (131072, 12)}
 
@@ -70,6 +70,31 @@ def test_quantization_alone(case):
     _, _, ev, _ = case
     s = ev.summary()
     assert s["quant_error_mean"] <= 0.04 and s["quant_error_p95"] <= 0.10
+
+
+def test_mixed_kind_groups():
+    """Trained models mix head kinds within a GQA group. The shared selection then
+    favours the concentrated heads: diffuse ones get ~0.76 of the oracle's recall
+    at 32K (docs/results.md, "Mixed GQA groups"). The concentrated heads keep
+    their thresholds, every needle is found, and the tail estimate keeps the
+    diffuse heads' output error near the same-kind figure (measured 0.145 here,
+    0.133 with same-kind groups, 0.306 without the tail estimate)."""
+    kinds = [HEAD_KINDS[(h + g) % len(HEAD_KINDS)] for h in range(4) for g in range(4)]
+    w = make_workload(context=32768, num_kv_heads=4, gqa_group=4, head_dim=128,
+                      num_queries=16, seed=11, kinds=kinds)
+    ev = evaluate(HiSparseConfig(), w.q, w.k, w.v)
+    kinds = np.array(w.head_kinds)
+    conc = ev.summary(_heads(kinds, CONCENTRATED))
+    print("mixed", conc)
+    assert conc["recall_mean"] >= 0.95 and conc["recall_p5"] >= 0.85
+    assert conc["recall_vs_oracle"] >= 0.98
+    assert conc["selection_error_mean"] <= 0.03
+    found, total = needles_found(ev, w.needle_targets)
+    assert total >= 30 and found == total
+    diffuse = ev.summary(_heads(kinds, ["diffuse"]))
+    print("mixed diffuse", diffuse)
+    assert diffuse["selection_error_mean"] <= 0.2
+    assert diffuse["selection_error_mean"] <= 0.6 * diffuse["unsampled_selection_error_mean"]
 
 
 def test_random_pages_fail(case, monkeypatch):
