@@ -1,7 +1,7 @@
 """Attention entry points: page selection, sparse decode, dense references, prefill.
 
-`implementation=None | "xla" | "pallas"` picks the kernel (None: Pallas on GPU,
-XLA elsewhere). Both compute the same function; the XLA path is the reference.
+`implementation=None | "xla" | "pallas"` picks the kernel (None: Pallas on GPU
+when the kernels take the cache's shapes, XLA otherwise; `resolve_implementation`). Both compute the same function; the XLA path is the reference.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pallas_kernels.lookup import reference as lookup_ref
 from pallas_kernels.sparse_decode import reference as decode_ref
 
 
-def _ops(implementation):
+def _ops(implementation, cfg: HiSparseConfig):
     """(page_scores, sparse_decode) for an implementation name."""
-    if resolve_implementation(implementation) == "pallas":
+    if resolve_implementation(implementation, cfg) == "pallas":
         from pallas_kernels.lookup import kernel as lookup_kernel
         from pallas_kernels.sparse_decode import kernel as decode_kernel
         return lookup_kernel.page_scores, decode_kernel.sparse_decode
@@ -78,7 +78,7 @@ def _select(cfg, state, q, implementation):
     """(selected logical pages [B, Hkv, K], estimated group mass of every page
     [B, Hkv, N] (log, -inf = not a candidate; without the stickiness bonus, which
     is for ranking only))."""
-    page_scores, _ = _ops(implementation)
+    page_scores, _ = _ops(implementation, cfg)
     bound, mass = page_scores(group_queries(cfg, q), state.digest_center,
                               state.digest_radius, state.page_table)
     if cfg.sticky:
@@ -255,7 +255,7 @@ def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold
     the state's pool, COLD_FIELDS order) at `slots` [B, Hkv, K] (-1 = none), each
     weighted by exp(slot_logw) [B, Hkv, K]: the state's own pool, or an offload
     working set."""
-    _, sparse_decode = _ops(implementation)
+    _, sparse_decode = _ops(implementation, cfg)
     # Without a tail sample the weights are constant zeros inside decode_attention's
     # jit, and XLA folds `logits + 0` into a different op order than the offload
     # path, which passes them at run time; the barrier keeps both bit-equal.

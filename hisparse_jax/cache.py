@@ -25,7 +25,7 @@ import numpy as np
 from hisparse_jax import layout
 from hisparse_jax import state as st
 from hisparse_jax.attention import decode_attention, remember
-from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.config import HiSparseConfig, resolve_implementation
 from hisparse_jax.prefix import PrefixIndex
 
 FLOAT_DTYPES = (np.float16, np.float32, jnp.bfloat16)
@@ -43,6 +43,7 @@ class HiSparseCache:
                  prefix: PrefixIndex | None = None):
         if prefix is not None and prefix.page_size != cfg.page_size:
             raise ValueError(f"prefix index page_size {prefix.page_size} != {cfg.page_size}")
+        resolve_implementation(implementation, cfg)  # an unknown or unfitting name fails here
         self.cfg = cfg
         self.implementation = implementation
         self.prefix = prefix

@@ -85,9 +85,10 @@ def cmd_eval(args):
         raise SystemExit(f"error: --heads {max(args.heads)} is not a query head "
                          f"(q has {q.shape[1]})")
     _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
+    implementation = None if args.implementation == "auto" else args.implementation
     try:
-        ev = evaluate(cfg, q, k, v, log=_log)
-    except ValueError as e:  # shapes the preset cannot hold (e.g. odd head_dim)
+        ev = evaluate(cfg, q, k, v, implementation=implementation, log=_log)
+    except ValueError as e:  # shapes the preset or the kernels cannot hold (e.g. odd head_dim)
         raise SystemExit(f"error: {e}")
     summary = ev.summary(args.heads, args.oracle_budgets or ())
     if args.json:
@@ -163,6 +164,8 @@ def build_parser():
     e.add_argument("--oracle-budgets", type=_int_list(1), default=None, metavar="N,M,...",
                    help="also report the oracle's recall with N, M, ... cold tokens per "
                         "KV head: the budget this attention needs, whatever the selection")
+    e.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
+                   help="kernels: auto = Pallas on a GPU when they take the shapes, else XLA")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 

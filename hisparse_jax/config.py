@@ -9,13 +9,20 @@ FULL_BUDGET = -1  # budget_tokens value meaning "attend every cold page"
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
-def resolve_implementation(implementation) -> str:
-    """None -> "pallas" on a GPU, "xla" elsewhere; anything else must be named."""
+def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) -> str:
+    """None -> "pallas" on a GPU when the kernels take `cfg`'s shapes (head_dim 96
+    does not), "xla" otherwise; anything else must be named, and "pallas" must
+    fit `cfg`."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    from pallas_kernels.common import unsupported
+    why = cfg and unsupported(cfg.head_dim)
     if implementation is None:
         import jax
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if jax.default_backend() == "gpu" and not why else "xla"
+    if implementation == "pallas" and why:
+        raise ValueError(f"the Pallas kernels cannot hold this cache: {why}; use "
+                         f"implementation='xla'")
     return implementation
 
 

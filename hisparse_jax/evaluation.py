@@ -33,7 +33,7 @@ import numpy as np
 from hisparse_jax import layout
 from hisparse_jax.attention import attend_pages, decode_attention, dense_decode_attention
 from hisparse_jax.cache import HiSparseCache
-from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
+from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, resolve_implementation
 from hisparse_jax.state import slot_positions
 
 
@@ -250,7 +250,8 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     cfg = config_for(cfg, k, hq // hkv)
-    log(f"[1/5] filling the cache with {s} tokens ...")
+    log(f"[1/5] filling the cache with {s} tokens "
+        f"({resolve_implementation(implementation, cfg)} kernels) ...")
     cache = HiSparseCache(cfg, implementation)
     cache.prefill(0, k, v)
     log(f"[2/5] HiSparse decode attention, {n} queries ...")

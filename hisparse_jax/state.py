@@ -111,10 +111,10 @@ def num_cold_pages(cfg: HiSparseConfig, length):
 
 # ---------------------------------------------------------------- prefill
 
-def _encoders(implementation):
+def _encoders(implementation, cfg: HiSparseConfig):
     """(encode_fp8, encode_cold_keys, encode_cold_values): Pallas kernels or the
     references (bit-identical; tests/test_kernels.py)."""
-    if resolve_implementation(implementation) == "pallas":
+    if resolve_implementation(implementation, cfg) == "pallas":
         from pallas_kernels.quant import kernel
         return kernel.encode_fp8, kernel.encode_cold_keys, kernel.encode_cold_values
     return quant_ref.encode_fp8, quant_ref.encode_cold_keys, quant_ref.encode_cold_values
@@ -123,7 +123,7 @@ def _encoders(implementation):
 def _encode_pages_to_pool(cfg, state, k_pages, v_pages, pool_ids, implementation):
     """Encode whole pages [n, Hkv, page, D] (f32) into pool pages `pool_ids` [n]
     (entries >= pool size are dropped). Also returns the encoded codes/scales."""
-    _, encode_cold_keys, encode_cold_values = _encoders(implementation)
+    _, encode_cold_keys, encode_cold_values = _encoders(implementation, cfg)
     kq, center, radius = encode_cold_keys(k_pages)
     vq, vs, vz = encode_cold_values(v_pages, cfg.value_group)
 
@@ -192,7 +192,7 @@ def _prefill(cfg, state, seq, k, v, length, shared, implementation):
 
     bf16_k = gather(flat_k, bf16_pos).astype(jnp.bfloat16)
     bf16_v = gather(flat_v, bf16_pos).astype(jnp.bfloat16)
-    encode_fp8 = _encoders(implementation)[0]
+    encode_fp8 = _encoders(implementation, cfg)[0]
     fk, fks = encode_fp8(gather(flat_k, fp8_pos))
     fv, fvs = encode_fp8(gather(flat_v, fp8_pos))
 
@@ -287,7 +287,7 @@ def _append_token(cfg, state, k, v, active, implementation):
         pool_ids, mode="drop")
 
     if w:  # hot page -> warm ring slot of that page
-        encode_fp8 = _encoders(implementation)[0]
+        encode_fp8 = _encoders(implementation, cfg)[0]
         fk, fks = encode_fp8(out_k)
         fv, fvs = encode_fp8(out_v)
 
@@ -395,7 +395,7 @@ def retier(old: HiSparseConfig, new: HiSparseConfig, state: CacheState, *,
     from_bf16 = source(bf16_new, bf16_old)
     from_fp8 = source(fp8_new, fp8_old)
     demoted = source(fp8_new, bf16_old)        # warm now, hot before: encode
-    encode_fp8 = _encoders(implementation)[0]
+    encode_fp8 = _encoders(implementation, new)[0]
     enc_k, enc_ks = encode_fp8(take(state.bf16_k, demoted).astype(jnp.float32))
     enc_v, enc_vs = encode_fp8(take(state.bf16_v, demoted).astype(jnp.float32))
     use_enc = (demoted >= 0)[:, None, :]

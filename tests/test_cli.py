@@ -145,3 +145,16 @@ def test_eval_heads_and_oracle_budgets(tmp_path, capsys):
 def test_eval_bad_heads_or_oracle_budgets(tmp_path, flag, value):
     with pytest.raises(SystemExit):
         main(["eval", "--qkv", str(_npz(tmp_path, 64)), flag, value])
+
+
+def test_eval_implementation(tmp_path, monkeypatch, capsys):
+    """Pallas needs power-of-two head_dims: asked for with 96 it is refused by name
+    before anything runs; auto picks XLA for 96 even on a GPU; xla runs anywhere."""
+    path = str(_npz(tmp_path, 96, np.float32))
+    with pytest.raises(SystemExit, match="head_dim must be a power of two"):
+        main(["eval", "--qkv", path, "--implementation", "pallas"])
+    main(["eval", "--qkv", path, "--implementation", "xla", "--budget-tokens", "256", "--json"])
+    assert "(xla kernels)" in capsys.readouterr().err
+    monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+    main(["eval", "--qkv", path, "--budget-tokens", "256", "--json"])
+    assert "(xla kernels)" in capsys.readouterr().err

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset
+from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset, resolve_implementation
 
 
 @pytest.mark.parametrize("field,value", [
@@ -31,3 +31,28 @@ def test_derived_sizes():
     assert cfg.sink_pages == 1 and cfg.hot_pages == 2 and cfg.warm_pages == 6
     assert cfg.budget_pages == 32
     assert cfg.replace(budget_tokens=FULL_BUDGET).budget_pages == 128 - 1 - 2 - 6
+
+
+@pytest.mark.parametrize("backend,d,implementation,want", [
+    ("cpu", 128, None, "xla"), ("gpu", 128, None, "pallas"), ("gpu", 64, None, "pallas"),
+    ("gpu", 96, None, "xla"),  # the kernels need a power of two: XLA instead
+    ("gpu", 16, None, "xla"),  # ... and at least 32
+    ("gpu", 96, "xla", "xla"), ("cpu", 128, "pallas", "pallas"),
+])
+def test_resolve_implementation(monkeypatch, backend, d, implementation, want):
+    monkeypatch.setattr("jax.default_backend", lambda: backend)
+    cfg = HiSparseConfig(head_dim=d, value_group=min(16, d // 2))
+    assert resolve_implementation(implementation, cfg) == want
+
+
+@pytest.mark.parametrize("d", [96, 80, 16])
+def test_pallas_refuses_shapes_it_cannot_tile(d):
+    from hisparse_jax.cache import HiSparseCache
+    msg = "head_dim must be a power of two >= 32"
+    cfg = HiSparseConfig(head_dim=d, value_group=8, max_context=1024)
+    with pytest.raises(ValueError, match=msg):
+        resolve_implementation("pallas", cfg)
+    with pytest.raises(ValueError, match=msg):
+        HiSparseCache(cfg, "pallas")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        resolve_implementation("triton", cfg)
