@@ -1,7 +1,8 @@
 """Attention entry points: page selection, sparse decode, dense references, prefill.
 
 `implementation=None | "xla" | "pallas"` picks the kernel (None: Pallas on GPU
-when the kernels take the cache's shapes, XLA otherwise; `resolve_implementation`). Both compute the same function; the XLA path is the reference.
+when the kernels take the cache's shapes, XLA otherwise: `resolve_implementation`).
+Both compute the same function; the XLA path is the reference.
 """
 
 from __future__ import annotations

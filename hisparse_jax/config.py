@@ -16,7 +16,7 @@ def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) ->
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     from pallas_kernels.common import unsupported
-    why = cfg and unsupported(cfg.head_dim)
+    why = None if cfg is None else unsupported(cfg.head_dim)
     if implementation is None:
         import jax
         return "pallas" if jax.default_backend() == "gpu" and not why else "xla"
