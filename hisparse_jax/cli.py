@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 
@@ -124,12 +125,20 @@ def cmd_bench_kernels(args):
     for flag, val in (("--iters", args.iters), ("--warmup", args.warmup), ("--json", args.json)):
         if val is not None:
             command += [flag, str(val)]
+    to_file = args.json not in (None, "-")
+    if to_file:
+        try:  # before the run: a bad path fails now, not after minutes of device time
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w"):
+                pass
+        except OSError as e:
+            raise SystemExit(f"error: cannot write {args.json}: {e}")
     rows = bk.run(plan, command=" ".join(shlex.quote(c) for c in command), log=_log)
     if args.json == "-":
         for row in rows:
             print(json.dumps(row))
         return
-    if args.json:
+    if to_file:
         with open(args.json, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

@@ -54,6 +54,18 @@ def test_ci_case_json_rows(tmp_path, capsys):
     assert "sparse_decode" in out and "median ms" in out
 
 
+def test_json_file_in_a_new_folder_and_bad_path(tmp_path):
+    path = tmp_path / "results" / "sub" / "rows.jsonl"  # like benchmarks/results/ in a clone
+    main(["bench", "kernels", "--case", "ci", "--impl", "xla", "--ops", "lookup",
+          "--iters", "1", "--warmup", "0", "--json", str(path)])
+    assert len(path.read_text().splitlines()) >= 1
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="cannot write"):  # refused before any timing
+        main(["bench", "kernels", "--case", "ci", "--impl", "xla", "--ops", "lookup",
+              "--json", str(blocker / "rows.jsonl")])
+
+
 def test_json_to_stdout(capsys):
     main(["bench", "kernels", "--case", "ci", "--impl", "xla", "--ops", "lookup,dense",
           "--iters", "2", "--warmup", "0", "--json", "-"])
