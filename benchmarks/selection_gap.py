@@ -25,20 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import attention
+from hisparse_jax.bench import _time_interleaved
 from hisparse_jax.cache import HiSparseCache
 from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.evaluation import ExactMass, config_for
 from hisparse_jax.workloads import CONCENTRATED, HEAD_KINDS, make_workload
 from pallas_kernels.lookup import reference as lookup_ref
 from pallas_kernels.quant.reference import INT4_LEVELS
+from pallas_kernels.sparse_decode import reference as decode_ref
 
 SHIPPED_SCORES = lookup_ref.page_scores
 
@@ -145,47 +145,82 @@ def quality(args):
         emit(f"rerank_x{mult}", np.take_along_axis(wide, best, -1))
 
 
-def time_rerank(context, candidates, repeats=11):
-    """Median ms of one decode step and of scoring `candidates` pages' int4 keys
-    per KV head (the work a re-rank adds), random K/V, default preset."""
+def time_rerank(context, extra=(32, 64), repeats=15):
+    """Median ms, calls interleaved, random K/V, default preset (128 selected + 32
+    sampled pages per KV head): the decode step; its cold attention as shipped;
+    scoring 128 + e candidates' int4 keys alone (an unfused re-rank adds this);
+    and a fused re-rank that scores 128 + e candidates, keeps the 128 with the most
+    group mass, and reuses their logits, reading values for those and the sample
+    only (a prototype of the XLA path, not shipped)."""
     cfg = preset("default").replace(max_context=context, max_seqs=1, num_pool_pages=None)
-    h, d = cfg.num_kv_heads, cfg.head_dim
+    h, d, k, n = cfg.num_kv_heads, cfg.head_dim, cfg.budget_pages, cfg.sample_pages
     rng = np.random.default_rng(0)
     kv = jnp.asarray(rng.standard_normal((context, h, d), np.float32), jnp.bfloat16)
     cache = HiSparseCache(cfg, "xla")
     cache.prefill(0, kv, kv)
     st = cache.state
     q = jnp.asarray(rng.standard_normal((1, cfg.num_q_heads, d), np.float32))
+    qg = attention.group_queries(cfg, q)
+    sm = 1.0 / math.sqrt(d)
+    heads = jnp.arange(h)[None, :, None]
 
-    @jax.jit
-    def page_mass(q, ids):  # exact log-mass of each candidate page from its int4 keys,
-        # computed as the sparse decode reference does: q.lo + (q * step).codes per half
-        qg = attention.group_queries(cfg, q) / math.sqrt(d)
-        heads = jnp.arange(h)[None, :, None]
+    def key_logits(ids):  # [B, Hkv, M] pool pages -> [B, Hkv, G, M, page], as the
+        # sparse decode reference computes them: q.lo + (q * step).codes per half
         c = st.digest_center[heads, ids].astype(jnp.float32)
         r = st.digest_radius[heads, ids].astype(jnp.float32)
-        codes = st.int4_k[heads, ids]                        # [B, Hkv, M, page, D/2]
+        codes = st.int4_k[heads, ids]
         qs = qg[:, :, :, None, :] * (r * (2.0 / INT4_LEVELS))[:, :, None]
-        logits = (jnp.einsum("bhgd,bhmd->bhgm", qg, c - r)[..., None]
-                  + jnp.einsum("bhgmc,bhmtc->bhgmt", qs[..., :d // 2],
-                               (codes & 0xF).astype(jnp.float32))
-                  + jnp.einsum("bhgmc,bhmtc->bhgmt", qs[..., d // 2:],
-                               (codes >> 4).astype(jnp.float32)))
-        return jax.nn.logsumexp(logits, axis=-1)
+        return (jnp.einsum("bhgd,bhmd->bhgm", qg, c - r)[..., None]
+                + jnp.einsum("bhgmc,bhmtc->bhgmt", qs[..., :d // 2],
+                             (codes & 0xF).astype(jnp.float32))
+                + jnp.einsum("bhgmc,bhmtc->bhgmt", qs[..., d // 2:],
+                             (codes >> 4).astype(jnp.float32))) * sm
 
-    ids = jnp.asarray(rng.integers(0, cfg.pool_pages, (1, h, candidates)), jnp.int32)
+    @jax.jit
+    def shipped_cold(ids, logw):
+        cold = tuple(getattr(st, f) for f in attention.COLD_FIELDS)
+        return decode_ref._attend_cold(qg, *cold, ids, logw, sm)
+
+    @jax.jit
+    def score_only(cand):
+        return jax.nn.logsumexp(key_logits(cand), axis=-1)
+
+    @jax.jit
+    def fused(cand, sample, sample_logw):
+        logits = key_logits(cand)
+        shares = jax.nn.logsumexp(logits, axis=-1)
+        shares = shares - jax.nn.logsumexp(shares, axis=-1, keepdims=True)
+        _, pick = jax.lax.top_k(jax.nn.logsumexp(shares, axis=2), k)   # [B, Hkv, K]
+        ids = jnp.concatenate([jnp.take_along_axis(cand, pick, -1), sample], axis=-1)
+        logits = jnp.concatenate([
+            jnp.take_along_axis(logits, pick[:, :, None, :, None], axis=3),
+            key_logits(sample) + sample_logw[:, :, None, :, None]], axis=3)
+        p = jnp.exp(logits - jnp.max(logits, axis=(-2, -1), keepdims=True))
+        scale = st.int4_v_scale[heads, ids].astype(jnp.float32)
+        zero = st.int4_v_zero[heads, ids].astype(jnp.float32)
+        codes = st.int4_v[heads, ids]
+        ng = scale.shape[-1]
+        ps = p[..., None] * scale[:, :, None]
+        out = []
+        for i, half in enumerate((codes & 0xF, codes >> 4)):
+            j = slice(i * ng // 2, (i + 1) * ng // 2)
+            half = half.astype(jnp.float32).reshape(*half.shape[:-1], ng // 2, -1)
+            out.append(jnp.einsum("bhgktj,bhktjc->bhgjc", ps[..., j], half)
+                       + jnp.einsum("bhgkt,bhktj->bhgj", p, zero[..., j])[..., None])
+        return jnp.concatenate(out, axis=-2) / p.sum(axis=(-2, -1))[..., None, None]
+
+    def pages(m):
+        return jnp.asarray(rng.integers(0, cfg.pool_pages, (1, h, m)), jnp.int32)
+    shipped, sample, logw = pages(k + n), pages(n), jnp.zeros((1, h, n), jnp.float32)
     fns = {"decode_step": lambda: attention.decode_attention(cfg, st, q, implementation="xla"),
-           f"score_{candidates}_pages": lambda: page_mass(q, ids)}
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps({"context": context, **{f"{n}_ms": round(statistics.median(t), 2)
-                                             for n, t in times.items()}}))
+           f"cold_attention_{k}+{n}": lambda: shipped_cold(shipped, jnp.zeros((1, h, k + n)))}
+    for e in extra:
+        cand = pages(k + e)
+        fns[f"score_{k + e}_pages_alone"] = lambda cand=cand: score_only(cand)
+        fns[f"fused_rerank_{k + e}_to_{k}+{n}"] = lambda cand=cand: fused(cand, sample, logw)
+    times = _time_interleaved(list(fns.values()), repeats)
+    print(json.dumps({"context": context, **{f"{name}_ms": round(ms, 2)
+                                             for name, (ms, _) in zip(fns, times)}}))
 
 
 def main():
@@ -198,10 +233,11 @@ def main():
     p.add_argument("--rerank", type=float, nargs="*", default=[1.25, 1.5, 2.0],
                    help="candidate multiples of the budget for the re-rank ceiling")
     p.add_argument("--time-rerank", type=int, metavar="CONTEXT",
-                   help="instead: time a decode step and scoring 1.25x the budget's pages")
+                   help="instead: time a decode step, its cold attention, and re-ranks "
+                        "over 1.25x and 1.5x the budget's pages (alone and fused)")
     args = p.parse_args()
     if args.time_rerank:
-        time_rerank(args.time_rerank, candidates=160)
+        time_rerank(args.time_rerank)
     else:
         quality(args)
 
