@@ -101,8 +101,9 @@ class ExactMass:
     @classmethod
     def compute(cls, cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
                 chunk_bytes: int = 1 << 28) -> ExactMass:
-        """For queries q [N, Hq, D] over keys k [S, Hkv, D] (float32), a few queries at
-        a time (about `chunk_bytes` of weights each)."""
+        """For queries q [N, Hq, D] (float32) over keys k [S, Hkv, D] (any float dtype,
+        read as float32 on the device), a few queries at a time (about `chunk_bytes`
+        of weights each)."""
         n, hq, _ = q.shape
         s = k.shape[0]
         pg = cfg.page_size
@@ -110,7 +111,7 @@ class ExactMass:
         cold = jnp.asarray(np.pad(~always, (0, -s % pg)))
         chunk = max(1, min(n, chunk_bytes // (hq * s * 4)))
         qpad = np.pad(q, ((0, -n % chunk), (0, 0), (0, 0)))  # one shape, one compile
-        kk = jnp.asarray(k).transpose(1, 0, 2)
+        kk = jnp.asarray(k, jnp.float32).transpose(1, 0, 2)
         parts = [_page_masses(jnp.asarray(qpad[i:i + chunk]), kk, cold, page_size=pg)
                  for i in range(0, n, chunk)]
         page, alw, top10 = (np.concatenate([np.asarray(p[j]) for p in parts])[:n]
@@ -235,7 +236,7 @@ def selection_recall(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray,
                      selected: np.ndarray) -> np.ndarray:
     """Attention-mass recall [N, Hq] of given selections (DESIGN §4): queries q
     [N, Hq, D] over one sequence's keys k [S, Hkv, D], selected [N, Hkv, K]."""
-    exact = ExactMass.compute(cfg, np.asarray(q, np.float32), np.asarray(k, np.float32))
+    exact = ExactMass.compute(cfg, np.asarray(q, np.float32), k)
     return exact.recall(selected)
 
 
@@ -244,7 +245,11 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     """Evaluate HiSparse for queries q [N, Hq, D] over one sequence k, v [S, Hkv, D].
     `log` (e.g. print) gets a line per pass: at 1M tokens each takes minutes."""
     log = log or (lambda msg: None)
-    q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+    # float16 k, v stay float16 on the host (half the bytes of a copy); the cache
+    # and the exact attention read them as float32 on the device.
+    q = np.asarray(q, np.float32)
+    k, v = (x if x.dtype in (np.float16, np.float32) else x.astype(np.float32)
+            for x in (np.asarray(k), np.asarray(v)))
     n, hq, _ = q.shape
     s, hkv, _ = k.shape
     if hq % hkv:
@@ -261,7 +266,7 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
                              implementation)
     log(f"[4/5] exact dense attention, {n} queries ...")
     exact = ExactMass.compute(cfg, q, k)
-    vd = jnp.asarray(v).transpose(1, 0, 2)[None]
+    vd = jnp.asarray(v, jnp.float32).transpose(1, 0, 2)[None]
     dense = np.stack([np.asarray(dense_decode_attention(jnp.asarray(q[i:i + 1]), exact.kk[None],
                                                         vd, jnp.array([s]))[0]) for i in range(n)])
     del vd

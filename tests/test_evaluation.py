@@ -70,3 +70,19 @@ def test_exact_mass_matches_token_level_definitions(s, hkv, g, d, chunk_bytes):
     for _ in range(20):
         other = rng.integers(0, npg, size=(n, hkv, budget))
         assert np.all(exact.recall(other).reshape(n, hkv, g).sum(-1) <= best + 2e-5)
+
+
+def test_evaluate_reads_float16_and_float64_inputs_exactly():
+    """float16 captures stay float16 on the host (half the memory); float16 -> float32
+    is exact, so the result equals that of the same values passed as float32.
+    float64 is accepted too (read as float32)."""
+    from hisparse_jax.evaluation import evaluate
+    from hisparse_jax.workloads import make_workload
+    w = make_workload(context=2000, num_kv_heads=2, gqa_group=2, head_dim=64, num_queries=2,
+                      seed=4)
+    k16, v16 = w.k.astype(np.float16), w.v.astype(np.float16)
+    cfg = HiSparseConfig(budget_tokens=256)
+    a = evaluate(cfg, w.q, k16, v16).summary()
+    b = evaluate(cfg, w.q, k16.astype(np.float32), v16.astype(np.float32)).summary()
+    c = evaluate(cfg, w.q, k16.astype(np.float64), v16.astype(np.float64)).summary()
+    assert a == b == c
