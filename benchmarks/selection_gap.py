@@ -37,7 +37,6 @@ from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.evaluation import ExactMass, config_for
 from hisparse_jax.workloads import CONCENTRATED, HEAD_KINDS, make_workload
 from pallas_kernels.lookup import reference as lookup_ref
-from pallas_kernels.quant.reference import INT4_LEVELS
 from pallas_kernels.sparse_decode import reference as decode_ref
 
 SHIPPED_SCORES = lookup_ref.page_scores
@@ -151,7 +150,8 @@ def time_rerank(context, extra=(32, 64), repeats=15):
     scoring 128 + e candidates' int4 keys alone (an unfused re-rank adds this);
     and a fused re-rank that scores 128 + e candidates, keeps the 128 with the most
     group mass, and reuses their logits, reading values for those and the sample
-    only (a prototype of the XLA path, not shipped)."""
+    only (a prototype of the XLA path, not shipped, built from the reference's own
+    `cold_logits` / `cold_values`)."""
     cfg = preset("default").replace(max_context=context, max_seqs=1, num_pool_pages=None)
     h, d, k, n = cfg.num_kv_heads, cfg.head_dim, cfg.budget_pages, cfg.sample_pages
     rng = np.random.default_rng(0)
@@ -162,52 +162,32 @@ def time_rerank(context, extra=(32, 64), repeats=15):
     q = jnp.asarray(rng.standard_normal((1, cfg.num_q_heads, d), np.float32))
     qg = attention.group_queries(cfg, q)
     sm = 1.0 / math.sqrt(d)
-    heads = jnp.arange(h)[None, :, None]
+    # The shipped reference's own pieces (pallas_kernels/sparse_decode/reference.py).
+    k4, v4, vs, vz, center, radius = (getattr(st, f) for f in attention.COLD_FIELDS)
 
-    def key_logits(ids):  # [B, Hkv, M] pool pages -> [B, Hkv, G, M, page], as the
-        # sparse decode reference computes them: q.lo + (q * step).codes per half
-        c = st.digest_center[heads, ids].astype(jnp.float32)
-        r = st.digest_radius[heads, ids].astype(jnp.float32)
-        codes = st.int4_k[heads, ids]
-        qs = qg[:, :, :, None, :] * (r * (2.0 / INT4_LEVELS))[:, :, None]
-        return (jnp.einsum("bhgd,bhmd->bhgm", qg, c - r)[..., None]
-                + jnp.einsum("bhgmc,bhmtc->bhgmt", qs[..., :d // 2],
-                             (codes & 0xF).astype(jnp.float32))
-                + jnp.einsum("bhgmc,bhmtc->bhgmt", qs[..., d // 2:],
-                             (codes >> 4).astype(jnp.float32))) * sm
+    def logits_of(ids):  # [B, Hkv, K] pool pages -> scaled logits [B, Hkv, G, K, page]
+        return decode_ref.cold_logits(qg, k4, center, radius, ids) * sm
 
     @jax.jit
     def shipped_cold(ids, logw):
-        cold = tuple(getattr(st, f) for f in attention.COLD_FIELDS)
-        return decode_ref._attend_cold(qg, *cold, ids, logw, sm)
+        return decode_ref.attend_cold(qg, k4, v4, vs, vz, center, radius, ids, logw, sm)
 
     @jax.jit
     def score_only(cand):
-        return jax.nn.logsumexp(key_logits(cand), axis=-1)
+        return jax.nn.logsumexp(logits_of(cand), axis=-1)
 
     @jax.jit
     def fused(cand, sample, sample_logw):
-        logits = key_logits(cand)
+        logits = logits_of(cand)
         shares = jax.nn.logsumexp(logits, axis=-1)
         shares = shares - jax.nn.logsumexp(shares, axis=-1, keepdims=True)
         _, pick = jax.lax.top_k(jax.nn.logsumexp(shares, axis=2), k)   # [B, Hkv, K]
         ids = jnp.concatenate([jnp.take_along_axis(cand, pick, -1), sample], axis=-1)
         logits = jnp.concatenate([
             jnp.take_along_axis(logits, pick[:, :, None, :, None], axis=3),
-            key_logits(sample) + sample_logw[:, :, None, :, None]], axis=3)
+            logits_of(sample) + sample_logw[:, :, None, :, None]], axis=3)
         p = jnp.exp(logits - jnp.max(logits, axis=(-2, -1), keepdims=True))
-        scale = st.int4_v_scale[heads, ids].astype(jnp.float32)
-        zero = st.int4_v_zero[heads, ids].astype(jnp.float32)
-        codes = st.int4_v[heads, ids]
-        ng = scale.shape[-1]
-        ps = p[..., None] * scale[:, :, None]
-        out = []
-        for i, half in enumerate((codes & 0xF, codes >> 4)):
-            j = slice(i * ng // 2, (i + 1) * ng // 2)
-            half = half.astype(jnp.float32).reshape(*half.shape[:-1], ng // 2, -1)
-            out.append(jnp.einsum("bhgktj,bhktjc->bhgjc", ps[..., j], half)
-                       + jnp.einsum("bhgkt,bhktj->bhgj", p, zero[..., j])[..., None])
-        return jnp.concatenate(out, axis=-2) / p.sum(axis=(-2, -1))[..., None, None]
+        return decode_ref.cold_values(p, v4, vs, vz, ids) / p.sum(axis=(-2, -1))[..., None]
 
     def pages(m):
         return jnp.asarray(rng.integers(0, cfg.pool_pages, (1, h, m)), jnp.int32)

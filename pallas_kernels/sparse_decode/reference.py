@@ -41,40 +41,38 @@ def merge_parts(parts):
     return out, lse
 
 
-def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
-                 cold_ids, cold_logw, sm_scale):
-    """Selected int4 pages -> (out, lse), without building dequantized K/V tiles:
-    logits = q.lo + (q * step).code per half; out = p.zero + (p * scale).code.
-    Codes are uint8 (always finite); the per-page ranges and scales of unselected
-    slots (-1) are replaced by zeros before use, so stale pool data never leaks."""
-    b, hkv, g, d = q.shape
+def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids):
+    """q.k [B, Hkv, G, K, T] (unscaled) of the int4 pages `cold_ids` [B, Hkv, K],
+    without building dequantized K tiles: q.lo + (q * step).code per half. Codes are
+    uint8 (always finite); the ranges of unselected slots (-1) are replaced by zeros,
+    so stale pool data never leaks (mask their logits after)."""
+    d = q.shape[-1]
     half = d // 2
-    heads = jnp.arange(hkv)[None, :, None]
+    heads = jnp.arange(q.shape[1])[None, :, None]
     ok = cold_ids >= 0                                       # [B, Hkv, K]
     ids = jnp.maximum(cold_ids, 0)
-
-    def take(pool):  # [Hkv, P, ...] -> [B, Hkv, K, ...]
-        return pool[heads, ids]
-
-    c = jnp.where(ok[..., None], take(digest_center).astype(jnp.float32), 0.0)
-    r = jnp.where(ok[..., None], take(digest_radius).astype(jnp.float32), 0.0)
+    c = jnp.where(ok[..., None], digest_center[heads, ids].astype(jnp.float32), 0.0)
+    r = jnp.where(ok[..., None], digest_radius[heads, ids].astype(jnp.float32), 0.0)
     lo, step = c - r, r * (2.0 / INT4_LEVELS)                # [B, Hkv, K, D]
-    kc = take(int4_k)                                        # [B, Hkv, K, T, D/2] uint8
+    kc = int4_k[heads, ids]                                  # [B, Hkv, K, T, D/2] uint8
     qs = q[:, :, :, None, :] * step[:, :, None]              # [B, Hkv, G, K, D]
-    logits = (jnp.einsum("bhgd,bhkd->bhgk", q, lo)[..., None]
-              + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., :half], (kc & 0xF).astype(jnp.float32))
-              + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., half:], (kc >> 4).astype(jnp.float32)))
-    logw = cold_logw.astype(jnp.float32)[:, :, None, :, None]
-    logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale + logw, -jnp.inf)
-    m = jnp.max(logits, axis=(-2, -1))
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
-    denom = jnp.sum(p, axis=(-2, -1))
+    return (jnp.einsum("bhgd,bhkd->bhgk", q, lo)[..., None]
+            + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., :half], (kc & 0xF).astype(jnp.float32))
+            + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., half:], (kc >> 4).astype(jnp.float32)))
 
-    scale = jnp.where(ok[..., None, None], take(int4_v_scale).astype(jnp.float32), 0.0)
-    zero = jnp.where(ok[..., None, None], take(int4_v_zero).astype(jnp.float32), 0.0)
+
+def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids):
+    """sum_t p[..., k, t] v[k, t] [B, Hkv, G, D] over the int4 pages `cold_ids` [B,
+    Hkv, K] for weights p [B, Hkv, G, K, T], without dequantized V tiles:
+    p.zero + (p * scale).code per group; unselected slots' scales read as zeros."""
+    b, hkv, g = p.shape[:3]
+    heads = jnp.arange(hkv)[None, :, None]
+    ok = cold_ids >= 0
+    ids = jnp.maximum(cold_ids, 0)
+    scale = jnp.where(ok[..., None, None], int4_v_scale[heads, ids].astype(jnp.float32), 0.0)
+    zero = jnp.where(ok[..., None, None], int4_v_zero[heads, ids].astype(jnp.float32), 0.0)
     ng = scale.shape[-1]                                     # [B, Hkv, K, T, ng]
-    vc = take(int4_v)
+    vc = int4_v[heads, ids]
     grouped = (vc & 0xF, vc >> 4)                            # channel halves
     pz = jnp.einsum("bhgkt,bhktj->bhgj", p, zero)            # [B, Hkv, G, ng]
     ps = p[..., None] * scale[:, :, None]                    # [B, Hkv, G, K, T, ng]
@@ -84,7 +82,21 @@ def _attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, di
         c = codes.astype(jnp.float32).reshape(*codes.shape[:-1], ng // 2, -1)
         outs.append(jnp.einsum("bhgktj,bhktjc->bhgjc", ps[..., j], c)
                     + pz[..., j, None])
-    out = jnp.concatenate(outs, axis=-2).reshape(b, hkv, g, d)
+    return jnp.concatenate(outs, axis=-2).reshape(b, hkv, g, -1)
+
+
+def attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
+                 cold_ids, cold_logw, sm_scale):
+    """Selected int4 pages -> (out, lse)."""
+    ok = cold_ids >= 0
+    logits = cold_logits(q, int4_k, digest_center, digest_radius, cold_ids)
+    logw = cold_logw.astype(jnp.float32)[:, :, None, :, None]
+    logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale + logw, -jnp.inf)
+    m = jnp.max(logits, axis=(-2, -1))
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
+    denom = jnp.sum(p, axis=(-2, -1))
+    out = cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids)
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out, lse
@@ -124,6 +136,6 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
         parts.append(attend_part(q, decode_fp8(fp8_k, fp8_k_scale),
                                  decode_fp8(fp8_v, fp8_v_scale), tile(fp8_valid), sm_scale))
     if cold_ids.shape[2]:
-        parts.append(_attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
+        parts.append(attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
                                   digest_radius, cold_ids, cold_logw, sm_scale))
     return merge_parts(parts)
