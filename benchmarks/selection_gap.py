@@ -1,21 +1,24 @@
-"""Where the selection's gap to the oracle comes from, and what closing it would
-cost (docs/results.md, "The gap to the oracle"). Selection only: recall of the
-pages each variant picks, against the oracle under the same budget.
+"""Where the selection's gap to the oracle comes from, and what closing it
+costs (docs/results.md, "The gap to the oracle"). Selection only: recall of the
+pages each variant attends, against the oracle under the same budget.
 
     python benchmarks/selection_gap.py --context 131072 --seed 12 --queries 16
     python benchmarks/selection_gap.py --context 32768 --seed 11 --mixed-groups
     python benchmarks/selection_gap.py --time-rerank 131072
 
-Variants (each a change to the estimated group mass that ranks the centre picks;
-the bound picks and side pages are the shipped ones):
-- digest: the shipped selection (page-centre logits, per-head softmax shares);
+Variants:
+- shipped: the default config, the re-rank included (the pages
+  `decode_attention` attends);
+- digest: the digest's ranking alone (rerank_multiple=1): page-centre logits,
+  per-head softmax shares. The next two change how it ranks the centre picks
+  (the bound picks and side pages stay):
 - page_mean: the centre logit replaced by the page's mean key (as a stored
   offset from the centre it would cost 8 more bytes per token per KV head);
 - window_weights: each head's shares scaled by its estimated cold share, from
   its exact window log-sum-exp and the centres (what the oracle's group sum
   weighs heads by);
-- rerank_xM: a ceiling for re-ranking with the int4 keys. The shipped selection
-  at M x the budget, then the budget's worth of those with the most exact mass.
+- rerank_xM: a ceiling for the re-rank: the digest's selection at M x the
+  budget, then the budget's worth of those with the most exact (unquantized) mass.
 `--mixed-groups` gives each KV head's query heads four different kinds, as in
 trained models, instead of one kind per group.
 """
@@ -37,7 +40,6 @@ from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.evaluation import ExactMass, config_for
 from hisparse_jax.workloads import CONCENTRATED, HEAD_KINDS, make_workload
 from pallas_kernels.lookup import reference as lookup_ref
-from pallas_kernels.sparse_decode import reference as decode_ref
 
 SHIPPED_SCORES = lookup_ref.page_scores
 
@@ -67,8 +69,14 @@ def pool_dot(rows, pool, page_table):  # [Hkv, B, G, D] . [Hkv, P, D] -> [Hkv, B
 
 def select_each(cfg, state, q):
     """Selected logical pages [N, Hkv, K], one query at a time, with whatever
-    page_scores lookup_ref holds now (a new jit: it is read at trace time)."""
-    pick = jax.jit(lambda st, qi: attention._select(cfg, st, qi, "xla")[0])
+    page_scores lookup_ref holds now (a new jit: it is read at trace time). With
+    the re-rank on, the pages the attention keeps of the candidates."""
+    def pick(st, qi):
+        if cfg.candidate_pages > cfg.budget_pages:
+            return attention.decode_attention(cfg, st, qi, implementation="xla",
+                                              return_selection=True)[1]
+        return attention._select(cfg, st, qi, "xla")[0]
+    pick = jax.jit(pick)
     return np.stack([np.asarray(pick(state, jnp.asarray(q[i:i + 1]))[0])
                      for i in range(q.shape[0])])
 
@@ -94,7 +102,8 @@ def quality(args):
     w = make_workload(context=args.context, num_kv_heads=4, gqa_group=4, head_dim=128,
                       num_queries=args.queries, seed=args.seed, kinds=kinds)
     q, k, v = (np.asarray(x, np.float32) for x in (w.q, w.k, w.v))
-    cfg = config_for(HiSparseConfig(), k, 4)
+    shipped = config_for(HiSparseConfig(), k, 4)
+    cfg = shipped.replace(rerank_multiple=1)  # the digest's own ranking
     cache = HiSparseCache(cfg, "xla")
     cache.prefill(0, k, v)
     state = cache.state
@@ -105,6 +114,7 @@ def quality(args):
     def emit(name, pages):
         print(json.dumps({**common, **row(name, w, cfg, exact, pages, oracle)}), flush=True)
 
+    emit("shipped", select_each(shipped, state, q))
     emit("digest", select_each(cfg, state, q))
 
     # The page's mean key, stored as an e4m3 offset from the range centre.
@@ -144,63 +154,34 @@ def quality(args):
         emit(f"rerank_x{mult}", np.take_along_axis(wide, best, -1))
 
 
-def time_rerank(context, extra=(32, 64), repeats=15):
-    """Median ms, calls interleaved, random K/V, default preset (128 selected + 32
-    sampled pages per KV head): the decode step; its cold attention as shipped;
-    scoring 128 + e candidates' int4 keys alone (an unfused re-rank adds this);
-    and a fused re-rank that scores 128 + e candidates, keeps the 128 with the most
-    group mass, and reuses their logits, reading values for those and the sample
-    only (a prototype of the XLA path, not shipped, built from the reference's own
-    `cold_logits` / `cold_values`)."""
+def time_rerank(context, multiples=(1, 1.25, 1.5), repeats=15):
+    """Median ms of the decode step at each re-rank multiple (1 = off) and of
+    dense attention, as `hisparse bench attention` runs them: random K/V, default
+    preset, every step right after a dense call (so its digests are not in cache)."""
     cfg = preset("default").replace(max_context=context, max_seqs=1, num_pool_pages=None)
-    h, d, k, n = cfg.num_kv_heads, cfg.head_dim, cfg.budget_pages, cfg.sample_pages
+    h, d = cfg.num_kv_heads, cfg.head_dim
     rng = np.random.default_rng(0)
-    kv = jnp.asarray(rng.standard_normal((context, h, d), np.float32), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((context, h, d), np.float32), jnp.bfloat16)
+            for _ in range(2))
     cache = HiSparseCache(cfg, "xla")
-    cache.prefill(0, kv, kv)
+    cache.prefill(0, k, v)
     st = cache.state
     q = jnp.asarray(rng.standard_normal((1, cfg.num_q_heads, d), np.float32))
-    qg = attention.group_queries(cfg, q)
-    sm = 1.0 / math.sqrt(d)
-    # The shipped reference's own pieces (pallas_kernels/sparse_decode/reference.py).
-    k4, v4, vs, vz, center, radius = (getattr(st, f) for f in attention.COLD_FIELDS)
+    kd, vd = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
 
-    def logits_of(ids):  # [B, Hkv, K] pool pages -> scaled logits [B, Hkv, G, K, page]
-        return decode_ref.cold_logits(qg, k4, center, radius, ids) * sm
-
-    @jax.jit
-    def shipped_cold(ids, logw):
-        return decode_ref.attend_cold(qg, k4, v4, vs, vz, center, radius, ids, logw, sm)
-
-    @jax.jit
-    def score_only(cand):
-        return jax.nn.logsumexp(logits_of(cand), axis=-1)
-
-    @jax.jit
-    def fused(cand, sample, sample_logw):
-        logits = logits_of(cand)
-        shares = jax.nn.logsumexp(logits, axis=-1)
-        shares = shares - jax.nn.logsumexp(shares, axis=-1, keepdims=True)
-        _, pick = jax.lax.top_k(jax.nn.logsumexp(shares, axis=2), k)   # [B, Hkv, K]
-        ids = jnp.concatenate([jnp.take_along_axis(cand, pick, -1), sample], axis=-1)
-        logits = jnp.concatenate([
-            jnp.take_along_axis(logits, pick[:, :, None, :, None], axis=3),
-            logits_of(sample) + sample_logw[:, :, None, :, None]], axis=3)
-        p = jnp.exp(logits - jnp.max(logits, axis=(-2, -1), keepdims=True))
-        return decode_ref.cold_values(p, v4, vs, vz, ids) / p.sum(axis=(-2, -1))[..., None]
-
-    def pages(m):
-        return jnp.asarray(rng.integers(0, cfg.pool_pages, (1, h, m)), jnp.int32)
-    shipped, sample, logw = pages(k + n), pages(n), jnp.zeros((1, h, n), jnp.float32)
-    fns = {"decode_step": lambda: attention.decode_attention(cfg, st, q, implementation="xla"),
-           f"cold_attention_{k}+{n}": lambda: shipped_cold(shipped, jnp.zeros((1, h, k + n)))}
-    for e in extra:
-        cand = pages(k + e)
-        fns[f"score_{k + e}_pages_alone"] = lambda cand=cand: score_only(cand)
-        fns[f"fused_rerank_{k + e}_to_{k}+{n}"] = lambda cand=cand: fused(cand, sample, logw)
-    times = _time_interleaved(list(fns.values()), repeats)
-    print(json.dumps({"context": context, **{f"{name}_ms": round(ms, 2)
-                                             for name, (ms, _) in zip(fns, times)}}))
+    def dense():
+        return attention.dense_decode_attention(q, kd, vd, jnp.array([context]))
+    fns = []
+    for m in multiples:
+        c = cfg.replace(rerank_multiple=m)
+        fns += [dense, lambda c=c: attention.decode_attention(c, st, q, implementation="xla")]
+    times = [ms for ms, _ in _time_interleaved(fns, repeats)]
+    dense_ms = float(np.median(times[0::2]))
+    row = {"context": context, "dense_ms": round(dense_ms, 2)}
+    for m, ms in zip(multiples, times[1::2]):
+        row[f"step_rerank_x{m}_ms"] = round(ms, 2)
+        row[f"speedup_rerank_x{m}"] = round(dense_ms / ms, 2)
+    print(json.dumps(row))
 
 
 def main(argv=None):
@@ -213,8 +194,8 @@ def main(argv=None):
     p.add_argument("--rerank", type=float, nargs="*", default=[1.25, 1.5, 2.0],
                    help="candidate multiples of the budget for the re-rank ceiling")
     p.add_argument("--time-rerank", type=int, metavar="CONTEXT",
-                   help="instead: time a decode step, its cold attention, and re-ranks "
-                        "over 1.25x and 1.5x the budget's pages (alone and fused)")
+                   help="instead: time the decode step without a re-rank and with "
+                        "1.25x and 1.5x the budget's pages as candidates, against dense")
     args = p.parse_args(argv)
     if args.time_rerank:
         time_rerank(args.time_rerank)

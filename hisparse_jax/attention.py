@@ -35,16 +35,17 @@ def group_queries(cfg: HiSparseConfig, q: jax.Array) -> jax.Array:
 
 
 class Selection(NamedTuple):
-    """What one decode step attends per (sequence, KV head), beside sink/hot/warm."""
-    pages: jax.Array        # [B, Hkv, K] int32 selected logical pages, -1 = none
-    sample: jax.Array       # [B, Hkv, n] int32 sampled unselected pages, -1 = none
+    """What one decode step reads per (sequence, KV head), beside sink/hot/warm."""
+    pages: jax.Array        # [B, Hkv, C] int32 candidate logical pages, -1 = none; the
+                            # attention keeps budget_pages of them (`rerank`)
+    sample: jax.Array       # [B, Hkv, n] int32 sampled non-candidate pages, -1 = none
     sample_logw: jax.Array  # [B, Hkv, n] f32 log importance weight of each sample entry
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def select(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
            implementation=None) -> Selection:
-    """The selected cold pages (`select_pages`) and an importance sample of the
+    """The candidate cold pages (`select_pages`) and an importance sample of the
     others (`sample_tail`)."""
     pages, mass = _select(cfg, state, q, implementation)
     sample, logw = sample_tail(cfg, mass, pages, state.seq_lens)
@@ -53,15 +54,17 @@ def select(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
-    """The cold pages to attend per (sequence, KV head): each query head's top
-    pages by Quest's upper bound (a `bound_share` of the budget split between
-    the group's heads), then the two pages beside each head's top bound page (a
-    span's tail), then the pages with the most estimated group mass. The pages of
-    `state.last_selected` (the last step's, see `remember`) score
-    `cfg.sticky_nats` higher in both rankings.
+    """The candidate cold pages per (sequence, KV head), `cfg.candidate_pages` of
+    them: each query head's top pages by Quest's upper bound (a `bound_share` of
+    them split between the group's heads), then the two pages beside each head's
+    top bound page (a span's tail), then the pages with the most estimated group
+    mass. The pages of `state.last_selected` (the last step's, see `remember`)
+    score `cfg.sticky_nats` higher in both rankings. The decode attention scores
+    their int4 keys and attends the `budget_pages` with the most mass (`rerank`);
+    without a re-rank (rerank_multiple=1) the candidates are the attended pages.
 
-    q [B, Hq, D] -> (logical pages [B, Hkv, K] int32, pool pages [B, Hkv, K] int32,
-    -1 where fewer than K cold pages exist). Sink, hot and warm pages have no page
+    q [B, Hq, D] -> (logical pages [B, Hkv, C] int32, pool pages [B, Hkv, C] int32,
+    -1 where fewer than C cold pages exist). Sink, hot and warm pages have no page
     table entry, so they are never candidates.
     """
     logical, _ = _select(cfg, state, q, implementation)
@@ -75,8 +78,19 @@ def pool_pages(page_table: jax.Array, logical: jax.Array) -> jax.Array:
     return jnp.where(logical >= 0, pool, -1).astype(jnp.int32)
 
 
+def _first_argmax(x):
+    """jnp.argmax over the last axis (NaN counts as the maximum, all -inf -> 0) as two
+    plain reductions: XLA:CPU's variadic argmax reduce took 0.4 ms per step at 128K."""
+    nan = jnp.isnan(x)
+    top = jnp.where(jnp.any(nan, axis=-1, keepdims=True), jnp.nan, jnp.max(x, axis=-1,
+                                                                          keepdims=True))
+    hit = jnp.where(jnp.isnan(top), nan, x == top)
+    n = x.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1) % n
+
+
 def _select(cfg, state, q, implementation):
-    """(selected logical pages [B, Hkv, K], estimated group mass of every page
+    """(candidate logical pages [B, Hkv, C], estimated group mass of every page
     [B, Hkv, N] (log, -inf = not a candidate; without the stickiness bonus, which
     is for ranking only))."""
     page_scores, _ = _ops(implementation, cfg)
@@ -90,7 +104,7 @@ def _select(cfg, state, q, implementation):
         bound = jnp.where(held[:, :, None, :], bound + cfg.sticky_nats, bound)
     else:
         ranked = mass
-    k = min(cfg.budget_pages, cfg.max_pages)
+    k = min(cfg.candidate_pages, cfg.max_pages)
     g = cfg.gqa_group
     # Bound pages per query head: at least one when bound_share > 0, never more than k.
     per_head = round(k * cfg.bound_share) // g
@@ -105,7 +119,7 @@ def _select(cfg, state, q, implementation):
     # (The top page by argmax and candidates by the page table, not from top_k's
     # outputs: slicing those made XLA:CPU's top_k over the bound 3x slower, 7 -> 22
     # ms per step at 128K.)
-    side = jnp.argmax(bound, axis=-1)[..., None] + jnp.array([-1, 1])  # [B, Hkv, G, 2]
+    side = _first_argmax(bound)[..., None] + jnp.array([-1, 1])  # [B, Hkv, G, 2]
     side_ok = (side >= 0) & (side < n_pages)
     side = jnp.clip(side, 0, n_pages - 1)
     side_ok &= state.page_table[jnp.arange(side.shape[0])[:, None, None, None], side] >= 0
@@ -149,10 +163,11 @@ def _selection_mask(n_pages: int, pages: jax.Array) -> jax.Array:
 
 
 def remember(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheState:
-    """The state after a decode step that selected `pages` [B, Hkv, K] (logical, -1 =
-    none): the next step's selection favours them by `cfg.sticky_nats`. The cache
-    calls this after every `attend`; a caller of the pure functions does too, or
-    gets a fresh selection every step."""
+    """The state after a decode step whose candidates were `pages` [B, Hkv, C]
+    (logical, -1 = none): the next step's selection favours them by
+    `cfg.sticky_nats`, so the candidate set (what offload keeps resident) does not
+    flicker. `decode_step` and the caches do this every step; a caller of the
+    other pure functions does too, or gets a fresh selection every step."""
     if not cfg.sticky:
         return state
     return state.replace(last_selected=_selection_mask(state.last_selected.shape[-1], pages))
@@ -164,6 +179,14 @@ def remember(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheS
 # heads (docs/results.md); 0 would trust the digest alone.
 TAIL_UNIFORM_SHARE = 0.25
 _TAIL_KEY = 0x7A11
+_RERANK_KEY = 0x7A12
+
+
+def _offsets(cfg, seq_lens, salt, shape):
+    """[B, *shape] uniform offsets in [0, 1) that change once per page of decode steps."""
+    window = jnp.maximum(seq_lens, 0) // cfg.page_size
+    return jax.vmap(lambda w: jax.random.uniform(
+        jax.random.fold_in(jax.random.key(salt), w), shape))(window)
 
 
 def _systematic(cdf, u, n):
@@ -205,9 +228,7 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
     share = jnp.where(free, jnp.exp(mass - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
     share = share / jnp.maximum(jnp.sum(share, axis=-1, keepdims=True), 1e-30)
     n_cand = jnp.sum(cand, axis=-1, keepdims=True)
-    window = jnp.maximum(seq_lens, 0) // cfg.page_size
-    u = jax.vmap(lambda w: jax.random.uniform(
-        jax.random.fold_in(jax.random.key(_TAIL_KEY), w), (2, h)))(window)  # [B, 2, Hkv]
+    u = _offsets(cfg, seq_lens, _TAIL_KEY, (2, h))  # [B, 2, Hkv]
     draws = [_systematic(jnp.cumsum(x, axis=-1).reshape(b * h, npg), u[:, i].reshape(-1), k)
              for i, (x, k) in enumerate(((cand.astype(jnp.float32), n_u), (share, n_s))) if k]
     idx = jnp.concatenate(draws, axis=-1).reshape(b, h, n)
@@ -216,6 +237,52 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
     ok = jnp.take_along_axis(free, idx, axis=-1) & (e_idx > 0)
     logw = jnp.where(ok, -jnp.log(jnp.where(ok, e_idx, 1.0)), 0.0)
     return jnp.where(ok, idx, -1).astype(jnp.int32), logw.astype(jnp.float32)
+
+
+def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array):
+    """Which candidates a decode step attends, from their exact (int4) logits.
+
+    Each query head's share of every candidate page's mass among the candidates,
+    summed over the group, ranks them; the `budget_pages` best are kept. Of the
+    rejected ones, `cfg.rerank_samples` are drawn in one systematic sample, a
+    quarter of it uniform and the rest in proportion to their group mass, and
+    weighted by 1 / their expected number of draws: their mass is estimated, as
+    `sample_tail` does for the pages that were not candidates.
+
+    logits [B, Hkv, G, C, T] scaled, -inf where masked; seq_lens [B] ->
+    (kept [B, Hkv, K], drawn [B, Hkv, m]: indices into the C candidates, -1 = none;
+    drawn_logw [B, Hkv, m] f32 log weights, 0 where none)."""
+    b, h, _, c, _ = logits.shape
+    # In linear space, one exp: shares a head's maximum leaves below float32's
+    # range count as zero (they carry < 1e-38 of its candidates' mass).
+    top = jnp.max(logits, axis=(-2, -1), keepdims=True)
+    page = jnp.sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), axis=-1)
+    share = page / jnp.maximum(jnp.sum(page, axis=-1, keepdims=True), 1e-30)
+    group = jnp.sum(share, axis=2)                                # [B, Hkv, C]
+    valid = group > 0                                             # NaN keys: never attended
+    best, kept = jax.lax.top_k(jnp.where(valid, group, -1.0), min(cfg.budget_pages, c))
+    kept = jnp.where(best > 0, kept, -1).astype(jnp.int32)
+    m = cfg.rerank_samples
+    if m == 0:
+        return kept, jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), jnp.float32)
+    free = valid.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
+                    jnp.where(kept >= 0, kept, c)].set(False, mode="drop")
+    share = jnp.where(free, group, 0.0)
+    share = share / jnp.maximum(jnp.sum(share, axis=-1, keepdims=True), 1e-30)
+    uniform = free / jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1)
+    prob = TAIL_UNIFORM_SHARE * uniform + (1 - TAIL_UNIFORM_SHARE) * share
+    u = _offsets(cfg, seq_lens, _RERANK_KEY, (h,))                # [B, Hkv]
+    drawn = _systematic(jnp.cumsum(prob, axis=-1).reshape(b * h, c), u.reshape(-1), m)
+    drawn = drawn.reshape(b, h, m)
+    p_drawn = jnp.take_along_axis(prob, drawn, axis=-1)
+    ok = jnp.take_along_axis(free, drawn, axis=-1) & (p_drawn > 0)
+    logw = jnp.where(ok, -jnp.log(jnp.where(ok, m * p_drawn, 1.0)), 0.0)
+    return kept, jnp.where(ok, drawn, -1).astype(jnp.int32), logw.astype(jnp.float32)
+
+
+def take_or_none(x, idx):
+    """x [B, Hkv, C] at idx [B, Hkv, K] (-1 -> -1)."""
+    return jnp.where(idx >= 0, jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=-1), -1)
 
 
 COLD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero", "digest_center",
@@ -229,44 +296,83 @@ def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: 
     """Decode attention over sink + hot + warm + the given cold pages (+ an
     importance sample of the others, weighted by exp(sample_logw)).
 
-    q [B, Hq, D]; logical [B, Hkv, K] logical page ids (-1 = none; pages that are
-    not cold are ignored); sample, sample_logw [B, Hkv, n] (`sample_tail`)
+    q [B, Hq, D]; logical [B, Hkv, C] logical page ids (-1 = none; pages that are
+    not cold are ignored; more than `cfg.budget_pages` are candidates, re-ranked
+    by `rerank`); sample, sample_logw [B, Hkv, n] (`sample_tail`)
     -> out [B, Hq, D] float32.
     """
-    logical, logw = with_sample(logical, sample, sample_logw)
-    pool = pool_pages(state.page_table, logical)
-    cold = tuple(getattr(state, f) for f in COLD_FIELDS)
-    return attend_cold_slots(cfg, state, q, cold, pool, logw, implementation=implementation)
+    return _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation)[0]
 
 
-def with_sample(pages, sample=None, sample_logw=None):
-    """(the selected pages followed by the sample entries [B, Hkv, K + n], their log
-    weights: 0 for selected pages)."""
+def _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation):
+    """(out, attended logical pages [B, Hkv, min(C, K)])."""
     if sample is None:
-        return pages, jnp.zeros(pages.shape, jnp.float32)
-    return (jnp.concatenate([pages, sample], axis=-1),
-            jnp.concatenate([jnp.zeros(pages.shape, jnp.float32), sample_logw], axis=-1))
+        sample = jnp.zeros(logical.shape[:2] + (0,), jnp.int32)
+        sample_logw = jnp.zeros(sample.shape, jnp.float32)
+    cold = tuple(getattr(state, f) for f in COLD_FIELDS)
+    out, kept = attend_cold_slots(cfg, state, q, cold, pool_pages(state.page_table, logical),
+                                  pool_pages(state.page_table, sample), sample_logw,
+                                  implementation=implementation)
+    return out, take_or_none(logical, kept)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold: tuple,
-                      slots: jax.Array, slot_logw: jax.Array, *, implementation=None
-                      ) -> jax.Array:
+                      slots: jax.Array, sample_slots: jax.Array, sample_logw: jax.Array, *,
+                      implementation=None):
     """Decode attention whose cold pages are read from `cold` (arrays laid out like
-    the state's pool, COLD_FIELDS order) at `slots` [B, Hkv, K] (-1 = none), each
-    weighted by exp(slot_logw) [B, Hkv, K]: the state's own pool, or an offload
-    working set."""
-    _, sparse_decode = _ops(implementation, cfg)
+    the state's pool, COLD_FIELDS order): the candidates at `slots` [B, Hkv, C]
+    (-1 = none), re-ranked down to `cfg.budget_pages` (`rerank`) when there are
+    more, and the sampled pages at `sample_slots` [B, Hkv, n], each weighted by
+    exp(sample_logw) [B, Hkv, n]. `cold` is the state's own pool, or an offload
+    working set.
+
+    -> (out [B, Hq, D] float32, kept [B, Hkv, min(C, K)]: the attended candidates,
+    as indices into `slots`, -1 = none)."""
+    impl = resolve_implementation(implementation, cfg)
     # Without a tail sample the weights are constant zeros inside decode_attention's
     # jit, and XLA folds `logits + 0` into a different op order than the offload
     # path, which passes them at run time; the barrier keeps both bit-equal.
-    slot_logw = jax.lax.optimization_barrier(slot_logw)
+    sample_logw = jax.lax.optimization_barrier(sample_logw)
     bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
-    out, _ = sparse_decode(
-        group_queries(cfg, q).astype(jnp.float32), state.bf16_k, state.bf16_v, bf16_pos >= 0,
-        state.fp8_k, state.fp8_v, state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0,
-        *cold, slots, sm_scale=1.0 / math.sqrt(cfg.head_dim), cold_logw=slot_logw)
-    return out.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
+    qg = group_queries(cfg, q).astype(jnp.float32)
+    window = (qg, state.bf16_k, state.bf16_v, bf16_pos >= 0, state.fp8_k, state.fp8_v,
+              state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0)
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    c = slots.shape[-1]
+    if c <= cfg.budget_pages:  # every candidate is attended
+        kept = jnp.where(slots >= 0, jnp.arange(c, dtype=jnp.int32), -1)
+        ids = jnp.concatenate([slots, sample_slots], axis=-1)
+        logw = jnp.concatenate([jnp.zeros(slots.shape, jnp.float32), sample_logw], axis=-1)
+        out = _ops(implementation, cfg)[1](*window, *cold, ids, sm_scale=sm_scale,
+                                           cold_logw=logw)[0]
+        return out.reshape(q.shape), kept
+    int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
+
+    def logits_of(ids):  # [B, Hkv, K] slots -> scaled logits [B, Hkv, G, K, T], -inf = none
+        x = decode_ref.cold_logits(qg, int4_k, center, radius, ids) * sm_scale
+        return jnp.where((ids >= 0)[:, :, None, :, None], x, -jnp.inf)
+    # Candidates and sample in one list: for XLA one gather and dot for both.
+    listed = jnp.concatenate([slots, sample_slots], axis=-1)
+    listed_logits = logits_of(slots if impl == "pallas" else listed)
+    kept, drawn, drawn_logw = rerank(cfg, listed_logits[:, :, :, :c], state.seq_lens)
+    n = sample_slots.shape[-1]
+    picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32),
+                                                             sample_slots.shape)], axis=-1)
+    ids = take_or_none(listed, picked)
+    logw = jnp.concatenate([jnp.zeros(kept.shape, jnp.float32), drawn_logw, sample_logw],
+                           axis=-1)
+    if impl == "pallas":  # the kernel reads the attended pages' keys again
+        out = _ops(impl, cfg)[1](*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
+        return out.reshape(q.shape), kept
+    # XLA: the attended pages' logits are reused, not recomputed.
+    logits = jnp.take_along_axis(listed_logits, jnp.maximum(picked, 0)[:, :, None, :, None],
+                                 axis=3)
+    logits = jnp.where((ids >= 0)[:, :, None, :, None], logits + logw[:, :, None, :, None],
+                       -jnp.inf)
+    parts = decode_ref.window_parts(*window, sm_scale)
+    parts.append(decode_ref.attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, ids))
+    return decode_ref.merge_parts(parts)[0].reshape(q.shape), kept
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation", "return_selection"))
@@ -275,15 +381,23 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
     """HiSparse decode attention for one query per sequence, after its last append.
 
     q: [B, Hq, D] -> out [B, Hq, D] float32 (zeros for empty sequences).
-    With return_selection, also the selected logical pages [B, Hkv, K] (the
-    sampled ones are not part of it). The selection favours the pages of
-    `state.last_selected`; `remember(cfg, state, pages)` makes this step's the
-    next step's (the cache does it in `attend`).
+    With return_selection, also the attended logical pages [B, Hkv, K] (the
+    candidates the re-rank kept; the sampled ones are not part of it). The
+    selection favours the candidates of `state.last_selected`; `decode_step`
+    also returns the state that remembers this step's (what the cache does).
     """
+    out, pages, _ = decode_step(cfg, state, q, implementation=implementation)
+    return (out, pages) if return_selection else out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def decode_step(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
+    """`decode_attention` as a decode step: (out [B, Hq, D], attended logical pages
+    [B, Hkv, K], the state after `remember`ing this step's candidates)."""
     sel = select(cfg, state, q, implementation=implementation)
-    out = attend_pages(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
-                       implementation=implementation)
-    return (out, sel.pages) if return_selection else out
+    out, pages = _attend_logical(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
+                                 implementation)
+    return out, pages, remember(cfg, state, sel.pages)
 
 
 @jax.jit

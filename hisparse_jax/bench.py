@@ -34,7 +34,7 @@ def _time_interleaved(fns, repeats):
 
 def bench_attention(context: int, *, preset_name: str = "default", batch: int = 1,
                     repeats: int = 7, seed: int = 0, tail_sample_pages: int | None = None,
-                    log=None) -> dict:
+                    rerank_multiple: float | None = None, log=None) -> dict:
     """Decode attention at `context` tokens: HiSparse (cache already filled) vs dense
     bf16 attention over the same K/V, calls interleaved. Random K/V: speed does not
     depend on content (selection always reads every digest and `budget` pages)."""
@@ -45,6 +45,8 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
     cfg = base.replace(max_context=ctx, max_seqs=batch, num_pool_pages=None)
     if tail_sample_pages is not None:
         cfg = cfg.replace(tail_sample_pages=tail_sample_pages)
+    if rerank_multiple is not None:
+        cfg = cfg.replace(rerank_multiple=rerank_multiple)
     rng = np.random.default_rng(seed)
     h, d = cfg.num_kv_heads, cfg.head_dim
     log(f"building a {context}-token cache ({batch} x {h} KV heads, head_dim {d}) ...")
@@ -67,10 +69,12 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
     return {
         "case": f"decode_{context}_b{batch}", "context": context, "batch": batch,
         "preset": preset_name, "tail_sample_pages": cfg.tail_sample_pages,
+        "rerank_multiple": cfg.rerank_multiple,
         "implementation": "xla", "backend": jax.default_backend(),
         "dense_ms": dense_ms, "hisparse_ms": sparse_ms, "speedup": dense_ms / sparse_ms,
         "dense_ms_all": dense_all, "hisparse_ms_all": sparse_all,
         "command": f"hisparse bench attention --context {context} --batch {batch} "
                    f"--repeats {repeats} --preset {preset_name} "
-                   f"--tail-sample-pages {cfg.tail_sample_pages}",
+                   f"--tail-sample-pages {cfg.tail_sample_pages} "
+                   f"--rerank-multiple {cfg.rerank_multiple}",
     }

@@ -24,7 +24,7 @@ import numpy as np
 
 from hisparse_jax import layout
 from hisparse_jax import state as st
-from hisparse_jax.attention import decode_attention, remember
+from hisparse_jax.attention import decode_step
 from hisparse_jax.config import HiSparseConfig, resolve_implementation
 from hisparse_jax.prefix import PrefixIndex
 
@@ -232,7 +232,6 @@ class HiSparseCache:
         the next step's selection favours this step's pages, `cfg.sticky_nats`)."""
         c = self.cfg
         self._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
-        out, pages = decode_attention(c, self.state, jnp.asarray(q),
-                                      implementation=self.implementation, return_selection=True)
-        self.state = remember(c, self.state, pages)
+        out, pages, self.state = decode_step(c, self.state, jnp.asarray(q),
+                                             implementation=self.implementation)
         return (out, pages) if return_selection else out

@@ -82,6 +82,8 @@ def cmd_eval(args):
         cfg = cfg.replace(budget_tokens=args.budget_tokens)
     if args.tail_sample_pages is not None:
         cfg = cfg.replace(tail_sample_pages=args.tail_sample_pages)
+    if args.rerank_multiple is not None:
+        cfg = cfg.replace(rerank_multiple=args.rerank_multiple)
     if args.heads is not None and max(args.heads) >= q.shape[1]:
         raise SystemExit(f"error: --heads {max(args.heads)} is not a query head "
                          f"(q has {q.shape[1]})")
@@ -105,7 +107,7 @@ def cmd_bench_attention(args):
     from hisparse_jax.bench import bench_attention
     row = bench_attention(args.context, preset_name=args.preset, batch=args.batch,
                           repeats=args.repeats, tail_sample_pages=args.tail_sample_pages,
-                          log=_log)
+                          rerank_multiple=args.rerank_multiple, log=_log)
     row["command"] = args.command_line
     if args.json:
         print(json.dumps(row))
@@ -168,6 +170,9 @@ def build_parser():
     e.add_argument("--tail-sample-pages", type=int, default=None, metavar="N",
                    help="pages sampled to estimate the unselected mass (default: the "
                         "preset's, 32; 0 = selection only)")
+    e.add_argument("--rerank-multiple", type=float, default=None, metavar="X",
+                   help="candidate pages per budget page, re-ranked by their int4 keys "
+                        "(default: the preset's, 1.25; 1 = no re-rank)")
     e.add_argument("--heads", type=_int_list(0), default=None, metavar="I,J,...",
                    help="report over these query heads only (e.g. your retrieval heads)")
     e.add_argument("--oracle-budgets", type=_int_list(1), default=None, metavar="N,M,...",
@@ -188,6 +193,9 @@ def build_parser():
     a.add_argument("--tail-sample-pages", type=int, default=None, metavar="N",
                    help="pages sampled to estimate the unselected mass (default: the "
                         "preset's, 32; 0 = selection only)")
+    a.add_argument("--rerank-multiple", type=float, default=None, metavar="X",
+                   help="candidate pages per budget page, re-ranked by their int4 keys "
+                        "(default: the preset's, 1.25; 1 = no re-rank)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_bench_attention)
     kn = bsub.add_parser("kernels", help="Pallas kernels vs XLA references: time, bytes/s, "
@@ -218,6 +226,9 @@ def main(argv=None):
         raise SystemExit("error: --context must be >= 1")
     if (getattr(args, "tail_sample_pages", None) or 0) < 0:
         raise SystemExit("error: --tail-sample-pages must be >= 0")
+    rerank = getattr(args, "rerank_multiple", None)
+    if rerank is not None and not (math.isfinite(rerank) and rerank >= 1):
+        raise SystemExit("error: --rerank-multiple must be a finite number >= 1")
     sticky = getattr(args, "sticky_nats", None)
     if sticky is not None and not (math.isfinite(sticky) and sticky >= 0):
         raise SystemExit("error: --sticky-nats must be a finite number >= 0")

@@ -45,15 +45,24 @@ class HiSparseConfig:
     warm_tokens: int = 384  # warm covers 128..512 tokens back by default
     budget_tokens: int = 2048  # cold tokens attended per KV head; FULL_BUDGET = all
     value_group: int = 32  # channels sharing one int4 value scale/zero
-    # Share of the cold budget picked by Quest's upper bound (catches pages with a
+    # Share of the candidates picked by Quest's upper bound (catches pages with a
     # few spiking keys: needles); the rest goes to the best page-centre scores
-    # (ranks the spread mass of diffuse heads better). docs/results.md measures it.
-    bound_share: float = 0.75
+    # (ranks the spread mass of diffuse heads better). docs/results.md measures it:
+    # 0.75 was best before the re-rank, 0.5 with it.
+    bound_share: float = 0.5
     # Unselected cold pages sampled per (sequence, KV head) to estimate the
     # attention they would get (importance sampling, weighted by 1/inclusion
     # probability): the mass a 2K-token selection leaves out is estimated instead of
     # dropped. 0 = off. docs/results.md measures it.
     tail_sample_pages: int = 32
+    # Re-rank: selection names rerank_multiple x the budget's pages as candidates;
+    # the decode attention scores their int4 keys and attends the budget's worth
+    # with the most group mass (the digest's page-centre estimate ranks pages
+    # only roughly). rerank_sample_pages of the rejected candidates are sampled,
+    # weighted like the tail sample, so their mass is estimated, not dropped.
+    # 1 = off. docs/results.md measures it.
+    rerank_multiple: float = 1.25
+    rerank_sample_pages: int = 8
     # A page the previous decode step selected keeps its place unless a new page
     # scores this much higher (nats, added to its log scores): near-ties at the
     # budget's edge stop flickering from step to step, so offload fetches fewer
@@ -92,6 +101,10 @@ class HiSparseConfig:
              "bound_share", "must be a number in [0, 1]")
         need(isinstance(self.tail_sample_pages, int) and self.tail_sample_pages >= 0,
              "tail_sample_pages", "must be a non-negative int")
+        need(isinstance(self.rerank_multiple, (int, float)) and math.isfinite(self.rerank_multiple)
+             and self.rerank_multiple >= 1, "rerank_multiple", "must be a finite number >= 1")
+        need(isinstance(self.rerank_sample_pages, int) and self.rerank_sample_pages >= 0,
+             "rerank_sample_pages", "must be a non-negative int")
         need(isinstance(self.sticky_nats, (int, float)) and math.isfinite(self.sticky_nats)
              and self.sticky_nats >= 0, "sticky_nats", "must be a finite number >= 0")
         if self.num_pool_pages is not None:
@@ -124,16 +137,30 @@ class HiSparseConfig:
     def pool_pages(self) -> int:
         if self.num_pool_pages is not None:
             return self.num_pool_pages
-        return self.max_seqs * max(1, self.max_pages - self.sink_pages - self.hot_pages
-                                   - self.warm_pages)
+        return self.max_seqs * self._cold_pages
+
+    @property
+    def _cold_pages(self) -> int:
+        return max(1, self.max_pages - self.sink_pages - self.hot_pages - self.warm_pages)
 
     @property
     def budget_pages(self) -> int:
         """Cold pages attended per KV head (top-k size)."""
-        most = max(1, self.max_pages - self.sink_pages - self.hot_pages - self.warm_pages)
         if self.budget_tokens == FULL_BUDGET:
-            return most
-        return min(self.budget_tokens // self.page_size, most)
+            return self._cold_pages
+        return min(self.budget_tokens // self.page_size, self._cold_pages)
+
+    @property
+    def candidate_pages(self) -> int:
+        """Cold pages selection names per KV head, re-ranked down to budget_pages by
+        their int4 keys inside the decode attention (= budget_pages: no re-rank)."""
+        return min(max(self.budget_pages, round(self.budget_pages * self.rerank_multiple)),
+                   self._cold_pages)
+
+    @property
+    def rerank_samples(self) -> int:
+        """Rejected candidates sampled per KV head (none without a re-rank)."""
+        return self.rerank_sample_pages if self.candidate_pages > self.budget_pages else 0
 
     @property
     def sample_pages(self) -> int:

@@ -32,7 +32,8 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.attention import attend_cold_slots, pool_pages, remember, select, with_sample
+from hisparse_jax.attention import (attend_cold_slots, pool_pages, remember, select,
+                                   take_or_none)
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
 
@@ -158,16 +159,16 @@ class OffloadedCache:
         cfg = cache.cfg
         if cache.cold_store is not None:
             raise ValueError("this cache is already offloaded")
-        w = working_set or 2 * cfg.budget_pages
-        if w < cfg.budget_pages:
-            raise ValueError(f"working_set={w} must hold the selection budget "
-                             f"({cfg.budget_pages} pages)")
+        w = working_set or 2 * cfg.candidate_pages
+        if w < cfg.candidate_pages:
+            raise ValueError(f"working_set={w} must hold a step's candidate pages "
+                             f"({cfg.candidate_pages})")
         if device_budget is not None:  # refuse before taking the cache's buffers
-            self._pick_level(cfg, cfg, w / cfg.budget_pages, device_budget,
+            self._pick_level(cfg, cfg, w / cfg.candidate_pages, device_budget,
                              jax.eval_shape(_without_cold_codes, cache.state))
         self.cfg = cfg
         self.nominal = cfg  # the configured tiers; pressure levels derive from it
-        self.working_set_multiple = w / cfg.budget_pages
+        self.working_set_multiple = w / cfg.candidate_pages
         self.implementation = cache.implementation
         self.cache = cache  # checks, host mirrors, prefix index and the device state
         self.working_set = w
@@ -246,7 +247,7 @@ class OffloadedCache:
         for lvl in pressure.levels(nominal):
             if lvl.hot_tokens > current.hot_tokens:
                 continue
-            w = max(lvl.budget_pages, round(multiple * lvl.budget_pages))
+            w = max(lvl.candidate_pages, round(multiple * lvl.candidate_pages))
             shapes = state_shapes
             if lvl.hot_tokens != current.hot_tokens:
                 shapes = jax.eval_shape(functools.partial(st.retier, current, lvl), shapes)
@@ -288,19 +289,19 @@ class OffloadedCache:
         self.cache._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
         q = jnp.asarray(q)
         sel = select(c, self.state, q, implementation=self.implementation)
-        logical = sel.pages
+        logical = sel.pages  # the candidates: the re-rank reads their keys
         plan = scheduler.plan(self.sched, logical)
         self._copy_in(np.asarray(pool_pages(self.state.page_table, plan.fetch)))
         self.sched = scheduler.apply(self.sched, plan)
-        slots = jnp.concatenate([_slots_of(self.sched.resident, logical),
-                                 self._sample_slots(sel.sample)], axis=-1)
-        _, logw = with_sample(logical, sel.sample, sel.sample_logw)
+        sample_slots = self._sample_slots(sel.sample)  # fills the sample buffer first
         cold = tuple(jnp.concatenate([self.ws[f], self.sample_ws[f]], axis=1)
                      for f in HOST_FIELDS) + self._digests()
-        out = attend_cold_slots(c, self.state, q, cold, slots, logw,
-                                implementation=self.implementation)
+        out, kept = attend_cold_slots(c, self.state, q, cold,
+                                      _slots_of(self.sched.resident, logical), sample_slots,
+                                      sel.sample_logw, implementation=self.implementation)
+        pages = take_or_none(logical, kept)
         self.cache.state = remember(c, self.state, logical)
-        return (out, logical) if return_selection else out
+        return (out, pages) if return_selection else out
 
     def _sample_slots(self, sample):
         """Slots of this step's sampled pages [B, Hkv, n]: the working-set slot of a

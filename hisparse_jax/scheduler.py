@@ -356,7 +356,8 @@ def run_trace(state: SchedulerState, selected, prev_layer=None, candidates=None,
 @dataclasses.dataclass(frozen=True)
 class Trace:
     name: str
-    selected: np.ndarray      # [T, 1, Hkv, K] logical pages
+    selected: np.ndarray      # [T, 1, Hkv, K] logical pages: each step's candidates (what
+                              # offload keeps resident; the re-rank attends a budget of them)
     prev_layer: np.ndarray    # [T, 1, Hkv, K] a synthetic adjacent layer's selection
     candidates: np.ndarray    # [T, 1, Hkv, K + C] a wider top-k of the same scores
     cfg: HiSparseConfig
@@ -380,7 +381,9 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
                extra_candidates: int = 64, sticky_nats: float | None = None,
                recall_every: int = 8, seed: int = 0, log=None) -> Trace:
     """A decode trace of real selections (`attention.select_pages` over a cache filled
-    from `workloads.make_workload`), with queries that move over the steps.
+    from `workloads.make_workload`), with queries that move over the steps. A
+    step's selection is its candidate pages: offload keeps them all resident, and
+    the attention's re-rank keeps a budget of them (recall is measured on those).
 
     kind "drift": the workload's mixed heads (sink, local, retrieval, diffuse); the
     query glides linearly from one anchor query to the next over `segment` steps,
@@ -402,7 +405,7 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
     (DESIGN §4, every `recall_every`-th step), so the price of stickiness is in
     the same row as its hit rate.
     """
-    from hisparse_jax.attention import remember, select_pages
+    from hisparse_jax.attention import decode_attention, remember, select_pages
     from hisparse_jax.cache import HiSparseCache
     from hisparse_jax.config import preset
     from hisparse_jax.evaluation import selection_recall
@@ -437,7 +440,9 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
     norm = np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(q.shape[-1])
     z_step = rng.standard_normal(q.shape).astype(np.float32)
     z_layer = rng.standard_normal(q.shape).astype(np.float32)
-    wide = cfg.replace(budget_tokens=(cfg.budget_pages + extra_candidates) * cfg.page_size)
+    # The runner-ups: `extra_candidates` more candidates of the same scores.
+    wide = cfg.replace(budget_tokens=(cfg.candidate_pages + extra_candidates) * cfg.page_size,
+                       rerank_multiple=1)
     st = cache.state
 
     def independent(c):  # every step selected afresh
@@ -461,10 +466,15 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
     selected, cand = (np.asarray(x) for x in decode(q_step))
     prev = np.asarray(decode(q_layer)[0])
     selected_plain = np.asarray(select_plain(q_step))
-    probe = slice(0, steps, recall_every)
-    recall, recall_plain = (float(selection_recall(cfg, np.asarray(q_step)[probe], wl.k,
-                                                   s[probe, 0]).mean())
-                            for s in (selected, selected_plain))
+    probe = range(0, steps, recall_every)
+
+    def attended(c, sel):  # the pages the re-rank keeps from each probe step's candidates
+        return np.stack([np.asarray(decode_attention(
+            c, st if t == 0 else remember(c, st, jnp.asarray(sel[t - 1])), q_step[t][None],
+            implementation="xla", return_selection=True)[1][0]) for t in probe])
+    recall, recall_plain = (float(selection_recall(c, np.asarray(q_step)[list(probe)], wl.k,
+                                                   attended(c, s)).mean())
+                            for c, s in ((cfg, selected), (plain, selected_plain)))
     info = {"kind": kind, "context": context, "steps": steps, "segment": segment,
             "num_kv_heads": num_kv_heads, "budget_pages": cfg.budget_pages,
             "bound_share": cfg.bound_share, "sticky_nats": cfg.sticky_nats,

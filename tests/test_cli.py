@@ -40,11 +40,15 @@ def test_eval_budget_all_isolates_quantization(tmp_path, capsys):
 
 def test_eval_without_tail_sample(tmp_path, capsys):
     path = str(_npz(tmp_path, 64))
-    main(["eval", "--qkv", path, "--budget-tokens", "256", "--tail-sample-pages", "0", "--json"])
+    # Without the re-rank's sample of rejected candidates either, nothing is estimated.
+    main(["eval", "--qkv", path, "--budget-tokens", "256", "--tail-sample-pages", "0",
+          "--rerank-multiple", "1", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert row["selection_error_mean"] == row["unsampled_selection_error_mean"] > 0
     with pytest.raises(SystemExit, match="tail-sample-pages"):
         main(["eval", "--qkv", path, "--tail-sample-pages", "-2"])
+    with pytest.raises(SystemExit, match="rerank-multiple"):
+        main(["eval", "--qkv", path, "--rerank-multiple", "0.5"])
 
 
 def test_eval_table(tmp_path, capsys):

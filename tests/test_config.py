@@ -9,7 +9,8 @@ from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset, re
     ("page_size", 24), ("page_size", 0), ("head_dim", 63), ("hot_tokens", 8),
     ("hot_tokens", 100), ("warm_tokens", 17), ("budget_tokens", 100), ("budget_tokens", -2),
     ("value_group", 48), ("max_context", 1000), ("num_kv_heads", 0), ("bound_share", 1.5),
-    ("max_seqs", -1), ("num_pool_pages", 0),
+    ("max_seqs", -1), ("num_pool_pages", 0), ("rerank_multiple", 0.5),
+    ("rerank_multiple", float("nan")), ("rerank_sample_pages", -1), ("rerank_sample_pages", 1.5),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -31,6 +32,12 @@ def test_derived_sizes():
     assert cfg.sink_pages == 1 and cfg.hot_pages == 2 and cfg.warm_pages == 6
     assert cfg.budget_pages == 32
     assert cfg.replace(budget_tokens=FULL_BUDGET).budget_pages == 128 - 1 - 2 - 6
+    # Candidates: 1.25x the budget, never more than the cold pages; no re-rank when
+    # every page is attended or the multiple is 1.
+    assert cfg.candidate_pages == 40 and cfg.rerank_samples == 8
+    assert cfg.replace(budget_tokens=100 * 64).candidate_pages == 128 - 1 - 2 - 6
+    for c in (cfg.replace(budget_tokens=FULL_BUDGET), cfg.replace(rerank_multiple=1)):
+        assert c.candidate_pages == c.budget_pages and c.rerank_samples == 0
 
 
 @pytest.mark.parametrize("backend,d,implementation,want", [

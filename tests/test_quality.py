@@ -36,8 +36,9 @@ def test_concentrated_heads(case):
     # Selection close to the oracle that keeps the truly heaviest pages under the
     # same budget: what is left is mass no 2K-token selection can reach here.
     assert s["recall_vs_oracle"] >= 0.98
-    if name == "32k":
-        assert s["recall_mean"] >= 0.95
+    # Measured 0.9667 / 0.9503 at 32K / 128K (the oracle: 0.9684 / 0.9530); without
+    # the re-rank 128K gave 0.9486 (docs/results.md).
+    assert s["recall_mean"] >= 0.95
     # The mass left out is estimated from a sample of the unselected pages
     # (measured 0.016 / 0.020 at 32K / 128K); selection alone cannot get there,
     # not even the oracle's (0.056).

@@ -51,11 +51,15 @@ def test_remember_marks_exactly_the_selected_pages():
 def test_the_cache_remembers_and_forgets(retrieval):
     cfg = preset("default").replace(num_kv_heads=2, max_context=8192, budget_tokens=256)
     c = _cache(cfg, retrieval)
+    candidates = np.asarray(select_pages(cfg, c.state, jnp.asarray(retrieval.q[:1]))[0][0])
     _, pages = c.attend(retrieval.q[:1], return_selection=True)
     mask = np.asarray(c.state.last_selected[0])
     pages = np.asarray(pages[0])
+    # The step's candidates are remembered (what offload keeps resident), among them
+    # the budget the re-rank attended.
     for h in range(2):
-        assert set(np.nonzero(mask[h])[0]) == set(pages[h][pages[h] >= 0])
+        assert set(np.nonzero(mask[h])[0]) == set(candidates[h][candidates[h] >= 0])
+        assert set(pages[h][pages[h] >= 0]) <= set(candidates[h])
     c.release(0)
     assert not np.asarray(c.state.last_selected).any()
     c.prefill(0, retrieval.k, retrieval.v)

@@ -63,35 +63,36 @@ def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids):
 
 def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids):
     """sum_t p[..., k, t] v[k, t] [B, Hkv, G, D] over the int4 pages `cold_ids` [B,
-    Hkv, K] for weights p [B, Hkv, G, K, T], without dequantized V tiles:
-    p.zero + (p * scale).code per group; unselected slots' scales read as zeros."""
-    b, hkv, g = p.shape[:3]
+    Hkv, K] for weights p [B, Hkv, G, K, T]: values dequantized (zero + code * scale
+    per channel group) and one dot per head (on XLA:CPU 16% faster at 168 pages
+    than folding the scales into p, whose grouped dot needs a transposed copy of the
+    codes); unselected slots' scales and zeros read as zeros."""
+    hkv = p.shape[1]
     heads = jnp.arange(hkv)[None, :, None]
     ok = cold_ids >= 0
     ids = jnp.maximum(cold_ids, 0)
     scale = jnp.where(ok[..., None, None], int4_v_scale[heads, ids].astype(jnp.float32), 0.0)
     zero = jnp.where(ok[..., None, None], int4_v_zero[heads, ids].astype(jnp.float32), 0.0)
-    ng = scale.shape[-1]                                     # [B, Hkv, K, T, ng]
-    vc = int4_v[heads, ids]
-    grouped = (vc & 0xF, vc >> 4)                            # channel halves
-    pz = jnp.einsum("bhgkt,bhktj->bhgj", p, zero)            # [B, Hkv, G, ng]
-    ps = p[..., None] * scale[:, :, None]                    # [B, Hkv, G, K, T, ng]
-    outs = []
-    for i, codes in enumerate(grouped):  # half i holds groups [i*ng/2, (i+1)*ng/2)
-        j = slice(i * ng // 2, (i + 1) * ng // 2)
-        c = codes.astype(jnp.float32).reshape(*codes.shape[:-1], ng // 2, -1)
-        outs.append(jnp.einsum("bhgktj,bhktjc->bhgjc", ps[..., j], c)
-                    + pz[..., j, None])
-    return jnp.concatenate(outs, axis=-2).reshape(b, hkv, g, -1)
+    vc = int4_v[heads, ids]                                  # [B, Hkv, K, T, D/2] uint8
+    codes = jnp.concatenate([vc & 0xF, vc >> 4], axis=-1).astype(jnp.float32)  # halves
+    ng, d = scale.shape[-1], codes.shape[-1]
+    v = codes.reshape(*codes.shape[:-1], ng, d // ng) * scale[..., None] + zero[..., None]
+    return jnp.einsum("bhgkt,bhktd->bhgd", p, v.reshape(codes.shape))
 
 
 def attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
-                 cold_ids, cold_logw, sm_scale):
+                cold_ids, cold_logw, sm_scale):
     """Selected int4 pages -> (out, lse)."""
     ok = cold_ids >= 0
     logits = cold_logits(q, int4_k, digest_center, digest_radius, cold_ids)
     logw = cold_logw.astype(jnp.float32)[:, :, None, :, None]
     logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale + logw, -jnp.inf)
+    return attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids)
+
+
+def attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids):
+    """The int4 pages `cold_ids` [B, Hkv, K] given their final logits [B, Hkv, G, K,
+    T] (scaled, weighted, -inf where masked) -> (out, lse)."""
     m = jnp.max(logits, axis=(-2, -1))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
@@ -100,6 +101,24 @@ def attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, dig
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out, lse
+
+
+def window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
+                 fp8_valid, sm_scale):
+    """[(out, lse)] of the bf16 part and, if there is one, the fp8 part (arguments
+    as `sparse_decode`'s)."""
+    q = q.astype(jnp.float32)
+    hkv = q.shape[1]
+
+    def tile(valid):  # [B, T] -> [B, Hkv, T]
+        return jnp.broadcast_to(valid[:, None, :], (valid.shape[0], hkv, valid.shape[1]))
+
+    parts = [attend_part(q, bf16_k.astype(jnp.float32), bf16_v.astype(jnp.float32),
+                         tile(bf16_valid), sm_scale)]
+    if fp8_k.shape[2]:
+        parts.append(attend_part(q, decode_fp8(fp8_k, fp8_k_scale),
+                                 decode_fp8(fp8_v, fp8_v_scale), tile(fp8_valid), sm_scale))
+    return parts
 
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
@@ -125,17 +144,9 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     q = q.astype(jnp.float32)
     if cold_logw is None:
         cold_logw = jnp.zeros(cold_ids.shape, jnp.float32)
-    hkv = q.shape[1]
-
-    def tile(valid):  # [B, T] -> [B, Hkv, T]
-        return jnp.broadcast_to(valid[:, None, :], (valid.shape[0], hkv, valid.shape[1]))
-
-    parts = [attend_part(q, bf16_k.astype(jnp.float32), bf16_v.astype(jnp.float32),
-                         tile(bf16_valid), sm_scale)]
-    if fp8_k.shape[2]:
-        parts.append(attend_part(q, decode_fp8(fp8_k, fp8_k_scale),
-                                 decode_fp8(fp8_v, fp8_v_scale), tile(fp8_valid), sm_scale))
+    parts = window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale,
+                         fp8_v_scale, fp8_valid, sm_scale)
     if cold_ids.shape[2]:
         parts.append(attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                                  digest_radius, cold_ids, cold_logw, sm_scale))
+                                 digest_radius, cold_ids, cold_logw, sm_scale))
     return merge_parts(parts)
