@@ -32,8 +32,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.attention import (attend_cold_slots, pool_pages, remember, select,
-                                   take_or_none)
+from hisparse_jax.attention import attend_cold_slots, pool_pages, remember, select, take_or_none
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
 
