@@ -50,12 +50,15 @@ def main():
     parts = {
         "page scores": lambda: scores(attention.group_queries(cfg, q), st.digest_center,
                                       st.digest_radius, st.page_table),
-        "selection (scores + top-k + side pages + dedupe)":
+        f"selection of {cfg.candidate_pages} candidates (scores + top-k + side pages + dedupe)":
             lambda: attention.select_pages(cfg, st, q),
         "selection + tail sample": lambda: attention.select(cfg, st, q),
-        f"attention over sink/hot/warm + {cfg.budget_pages} pages":
+        f"attention: sink/hot/warm + {cfg.budget_pages} pages (no re-rank)":
+            lambda: attention.attend_pages(cfg, st, q, sel.pages[..., :cfg.budget_pages]),
+        f"attention: re-rank {cfg.candidate_pages} -> {cfg.budget_pages} pages "
+        f"(+ {cfg.rerank_samples} rejected sampled)":
             lambda: attention.attend_pages(cfg, st, q, sel.pages),
-        f"attention over sink/hot/warm + {cfg.budget_pages} + {cfg.tail_sample_pages} pages":
+        f"attention: re-rank + {cfg.tail_sample_pages} tail pages":
             lambda: attention.attend_pages(cfg, st, q, sel.pages, sel.sample, sel.sample_logw),
         "whole decode step": lambda: attention.decode_attention(cfg, st, q),
     }

@@ -344,8 +344,7 @@ def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold
         kept = jnp.where(slots >= 0, jnp.arange(c, dtype=jnp.int32), -1)
         ids = jnp.concatenate([slots, sample_slots], axis=-1)
         logw = jnp.concatenate([jnp.zeros(slots.shape, jnp.float32), sample_logw], axis=-1)
-        out = _ops(implementation, cfg)[1](*window, *cold, ids, sm_scale=sm_scale,
-                                           cold_logw=logw)[0]
+        out = _ops(impl, cfg)[1](*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
         return out.reshape(q.shape), kept
     int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
 

@@ -8,7 +8,8 @@ working set and its bookkeeping). Nothing here repeats the per-array arithmetic.
 Offload mode (DESIGN §2.3): the int4 codes and value scales of cold pages live
 in host memory; the device keeps the sink/hot bf16 tier, the warm fp8 tier, the
 digests of every cold page, the page tables and a working set of W resident cold
-pages per (sequence, KV head) (default W = 2x the selection budget).
+pages per (sequence, KV head) (default W = 2x the candidate pages of a step,
+as `OffloadedCache`).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
 
     device_memory_bytes: the device budget for KV caches (minus `reserve_bytes`,
     e.g. the weights); gives the max concurrent sequences. working_set_pages
-    (per (sequence, KV head)) overrides working_set_multiple x budget pages.
+    (per (sequence, KV head)) overrides working_set_multiple x candidate pages.
     """
     m = _model(model)
     if not isinstance(context, int) or context < 1:
@@ -144,7 +145,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     if offload:
         from hisparse_jax.scheduler import working_set_bytes
         ws_pages = (working_set_pages if working_set_pages is not None
-                    else round(working_set_multiple * cfg.budget_pages))
+                    else round(working_set_multiple * cfg.candidate_pages))
         n_cold = cold_codes // layout.per_page_cold_bytes(cfg)[0]
         ws_pages = max(0, min(ws_pages, n_cold))  # never more than the sequence has
         tiers["working_set"] = working_set_bytes(cfg, ws_pages) if ws_pages else 0
@@ -267,8 +268,8 @@ def add_capacity_parser(subparsers):
     c.add_argument("--offload", action="store_true",
                    help="cold int4 pages in host memory; device keeps digests + working set")
     c.add_argument("--working-set", type=_positive_float, default=2.0,
-                   help="resident cold pages per (sequence, KV head), in multiples of the "
-                        "selection budget (offload mode)")
+                   help="resident cold pages per (sequence, KV head), in multiples of a "
+                        "step's candidate pages (offload mode)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=main_capacity)
     return c

@@ -11,9 +11,10 @@ For N decode queries at position S over S cached tokens, per (query, query head)
   oracle_selection_error is that oracle's selection error: what no selection
   within the budget can avoid on this attention, unless the mass it leaves out
   is estimated.
-HiSparse estimates it from an importance sample of the unselected pages
-(`attention.sample_tail`); unsampled_selection_error is its selection error
-without that estimate. Recall counts the selected pages only: a sampled page is
+HiSparse estimates it from an importance sample of the pages it does not attend
+(`attention.sample_tail`, and `attention.rerank` for rejected candidates);
+unsampled_selection_error is its selection error without that estimate. Recall
+counts the attended pages only (the budget the re-rank kept): a sampled page is
 read, but it stands for many pages, not for its own mass.
 
 The exact weights are reduced to per-page masses a few queries at a time

@@ -477,6 +477,7 @@ def make_trace(kind: str = "drift", *, context: int = 32768, steps: int = 256,
                             for c, s in ((cfg, selected), (plain, selected_plain)))
     info = {"kind": kind, "context": context, "steps": steps, "segment": segment,
             "num_kv_heads": num_kv_heads, "budget_pages": cfg.budget_pages,
+            "candidate_pages": cfg.candidate_pages,
             "bound_share": cfg.bound_share, "sticky_nats": cfg.sticky_nats,
             "cold_pages": int(np.sum(np.asarray(st.page_table[0]) >= 0)),
             "step_noise": step_noise, "layer_noise": layer_noise, "seed": seed,
@@ -580,7 +581,8 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
                     layer_noise: float = 0.3, max_prefetch=(32,), oracle: bool = False,
                     sticky_nats: float | None = None, log=None) -> list[dict]:
     """Resident hit rate and host->device bytes per step, predictive policy vs LRU,
-    at working sets of `multiples` x the selection budget, on real-selection traces."""
+    at working sets of `multiples` x a step's candidate pages (what must be
+    resident), on real-selection traces."""
     log = log or (lambda *_: None)
     rows = []
     for kind in kinds:
@@ -604,13 +606,13 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
             if oracle:
                 rows.append({"case": f"scheduler_{kind}_{m}x", "trace": kind,
                              "policy": "belady-oracle-no-prefetch", "working_set_multiple": m,
-                             "working_set_pages": int(m * K), "budget_pages": K, **tr.info,
+                             "working_set_pages": int(m * K), **tr.info,
                              "hit_rate": belady_hit_rate(tr.selected, int(m * K))})
             for name, pol, up, uc in variants:
                 c = evaluate(tr, int(m * K), pol, use_prev=up, use_cand=uc)
                 rows.append({"case": f"scheduler_{kind}_{m}x", "trace": kind, "policy": name,
                              "working_set_multiple": m, "working_set_pages": int(m * K),
-                             "budget_pages": K, **tr.info, **c,
+                             **tr.info, **c,
                              "command": " ".join(["hisparse"] + sys.argv[1:])
                              if sys.argv else ""})
     return rows
@@ -652,7 +654,7 @@ def add_scheduler_bench_parser(bench_subparsers):
     s.add_argument("--oracle", action="store_true",
                    help="also Belady's MIN (future-knowing eviction, no prefetch) as a bound")
     s.add_argument("--multiples", default="1,2,4",
-                   help="working sets to measure, in multiples of the selection budget")
+                   help="working sets to measure, in multiples of a step's candidate pages")
     s.add_argument("--max-prefetch", default="32",
                    help="comma-separated prefetch limits per (sequence, KV head) per step "
                         "for the predictive policy (a sweep: 8,16,32,64)")

@@ -47,7 +47,7 @@ def test_offload_moves_codes_to_host_and_counts_working_set():
     t_on, t_off = on["tiers_device_bytes"], off["tiers_device_bytes"]
     assert off["host_bytes"] == t_on["cold_int4_codes_scales"]
     assert t_off["cold_int4_codes_scales"] == 0
-    W = 2 * cfg.budget_pages
+    W = 2 * cfg.candidate_pages  # as OffloadedCache's default: every candidate resident
     assert off["working_set_pages_per_seq_head"] == W
     assert t_off["working_set"] == 32 * sc.working_set_bytes(cfg, W)
     for k in ("sink_hot_bf16", "warm_fp8", "digests", "page_tables"):
