@@ -63,9 +63,9 @@ def select_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implem
     their int4 keys and attends the `budget_pages` with the most mass (`rerank`);
     without a re-rank (rerank_multiple=1) the candidates are the attended pages.
 
-    q [B, Hq, D] -> (logical pages [B, Hkv, C] int32, pool pages [B, Hkv, C] int32,
-    -1 where fewer than C cold pages exist). Sink, hot and warm pages have no page
-    table entry, so they are never candidates.
+    q [B, Hq, D] -> (logical pages [B, Hkv, C] int32 in page order, pool pages [B,
+    Hkv, C] int32, -1 (last) where fewer than C cold pages exist). Sink, hot and
+    warm pages have no page table entry, so they are never candidates.
     """
     logical, _ = _select(cfg, state, q, implementation)
     return logical, pool_pages(state.page_table, logical)
@@ -151,7 +151,10 @@ def _select(cfg, state, q, implementation):
     top, pick = jax.lax.top_k(priority, k)
     logical = jnp.take_along_axis(jnp.concatenate([pages_b, pages_c], axis=-1), pick, axis=-1)
     ok = top > -jnp.inf  # NaN scores (NaN keys) stay in their own sequence
-    return jnp.where(ok, logical, -1).astype(jnp.int32), mass
+    # In page order (none last): the attention's gathers then walk the pool forwards.
+    logical = jnp.where(ok, logical, n_pages)
+    logical = jnp.sort(logical, axis=-1)
+    return jnp.where(logical < n_pages, logical, -1).astype(jnp.int32), mass
 
 
 @functools.partial(jax.jit, static_argnums=0)

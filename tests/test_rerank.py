@@ -105,6 +105,9 @@ def test_fused_attention_equals_attending_the_chosen_pages(gqa):
     cfg, st, q = _cache(gqa)
     sel = attention.select(cfg, st, q, implementation="xla")
     assert sel.pages.shape[-1] == cfg.candidate_pages > cfg.budget_pages
+    for row in np.asarray(sel.pages).reshape(-1, cfg.candidate_pages):
+        valid = row[row >= 0]  # distinct pages in page order, none (-1) last
+        assert (np.diff(valid) > 0).all() and (row[len(valid):] == -1).all()
     cold = tuple(getattr(st, f) for f in attention.COLD_FIELDS)
     slots = attention.pool_pages(st.page_table, sel.pages)
     sample_slots = attention.pool_pages(st.page_table, sel.sample)
