@@ -21,7 +21,8 @@ def run_demo(context: int = 131072, log=print):
     w = make_workload(context=context, num_kv_heads=4, gqa_group=4, head_dim=cfg.head_dim,
                       num_queries=8, seed=0)
     log(f"[2/4] filling the HiSparse cache and attending 8 decode queries "
-        f"(budget {cfg.budget_tokens} cold tokens per KV head, and {cfg.tail_sample_pages} "
+        f"(budget {cfg.budget_tokens} cold tokens per KV head, re-ranked from "
+        f"{cfg.candidate_pages} candidate pages, and {cfg.tail_sample_pages + cfg.rerank_samples} "
         f"sampled pages to estimate the rest) ...")
     ev = evaluate(cfg, w.q, w.k, w.v)
     kinds = np.array(w.head_kinds)
@@ -41,9 +42,10 @@ def run_demo(context: int = 131072, log=print):
               f"{s['quant_error_mean']:>8.3f}"
               f"{s['top10_recall']:>8.3f}")
     hit, total = needle_pages_hit(ev, w.needle_targets, min_mass=0.01)
-    print(f"\nneedle pages selected (>= 1% of a head's mass): {hit}/{total}")
+    print(f"\nneedle pages attended (>= 1% of a head's mass): {hit}/{total}")
     print(f"attended tokens: {ev.attended_fraction:.2%} of the context, plus "
-          f"{cfg.tail_sample_pages} sampled pages per KV head")
+          f"{cfg.tail_sample_pages + cfg.rerank_samples} sampled pages per KV head "
+          f"({cfg.candidate_pages} candidates' keys scored)")
     print("select. = selection error with the tail estimate; no est. = without it")
     print(f"decode attention: dense {speed['dense_ms']:.1f} ms, HiSparse "
           f"{speed['hisparse_ms']:.1f} ms -> {speed['speedup']:.1f}x faster (same run, CPU/XLA)")
