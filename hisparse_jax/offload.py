@@ -190,6 +190,9 @@ class OffloadedCache:
                           for f in HOST_FIELDS}
         self.sample_held = jnp.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, jnp.int32)
         self.sample_pages_copied = 0
+        # The last step's candidate pages [B, Hkv, C] (logical, -1 = none): what the
+        # layer above should `prefetch`. None before the first `attend`.
+        self.candidates = None
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         self.host_to_device_bytes = 0
         if device_budget is not None:
@@ -300,6 +303,7 @@ class OffloadedCache:
                                       sel.sample_logw, implementation=self.implementation)
         pages = take_or_none(logical, kept)
         self.cache.state = remember(c, self.state, logical)
+        self.candidates = logical  # what the layer above should prefetch
         return (out, pages) if return_selection else out
 
     def _sample_slots(self, sample):
@@ -325,8 +329,10 @@ class OffloadedCache:
 
     def prefetch(self, pages):
         """Layer-ahead prefetch: `pages` [B, Hkv, K'] (logical, -1 = none) is the
-        layer below's selection at this step (`attend(..., return_selection=True)`
-        of that layer's cache), the best predictor of this layer's. Call it before
+        layer below's selection at this step, the best predictor of this layer's:
+        its candidates (`candidates` of that layer's cache after its `attend`; the
+        pages `attend(..., return_selection=True)` returns are the subset it
+        attended). Call it before
         this layer's `attend`; the copies are dispatched asynchronously, so on a
         GPU they overlap the layer below's attention. Fetches at most the policy's
         `max_prefetch` pages per (sequence, KV head), never evicting the last

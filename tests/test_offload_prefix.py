@@ -158,8 +158,12 @@ def test_layer_ahead_prefetch_raises_hits_and_keeps_outputs_exact():
         last = None
         for s, u in zip(steps, upper):
             _, sel = below.attend(s[None].astype(np.float32), return_selection=True)
+            # The attended pages are a subset of the candidates the layer kept resident.
+            cand = np.asarray(below.candidates)
+            for h in range(2):
+                assert set(np.asarray(sel)[0, h]) - {-1} <= set(cand[0, h])
             if ahead:
-                above.prefetch(sel)
+                above.prefetch(below.candidates)
                 if last is not None:  # the last step's selection stayed resident
                     res = np.asarray(above.sched.resident)
                     for h in range(2):
@@ -171,6 +175,7 @@ def test_layer_ahead_prefetch_raises_hits_and_keeps_outputs_exact():
         hit_rates[name] = above.counters()["hit_rate"]
         if name == "lru":
             assert above.counters()["prefetched"] == 0
+    print(hit_rates)
     assert hit_rates["ahead"] > hit_rates["plain"] + 0.02, hit_rates
     with pytest.raises(ValueError, match="pages must be"):
         above.prefetch(np.zeros((3, 2), np.int32))
