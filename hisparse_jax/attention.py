@@ -350,14 +350,12 @@ def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold
         out = _ops(impl, cfg)[1](*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
         return out.reshape(q.shape), kept
     int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
-
-    def logits_of(ids):  # [B, Hkv, K] slots -> scaled logits [B, Hkv, G, K, T], -inf = none
-        x = decode_ref.cold_logits(qg, int4_k, center, radius, ids) * sm_scale
-        return jnp.where((ids >= 0)[:, :, None, :, None], x, -jnp.inf)
     # Candidates and sample in one list: for XLA one gather and dot for both.
     listed = jnp.concatenate([slots, sample_slots], axis=-1)
-    listed_logits = logits_of(slots if impl == "pallas" else listed)
-    kept, drawn, drawn_logw = rerank(cfg, listed_logits[:, :, :, :c], state.seq_lens)
+    raw = decode_ref.cold_logits(qg, int4_k, center, radius,
+                                 slots if impl == "pallas" else listed)
+    cand_logits = decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale)
+    kept, drawn, drawn_logw = rerank(cfg, cand_logits, state.seq_lens)
     n = sample_slots.shape[-1]
     picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32),
                                                              sample_slots.shape)], axis=-1)
@@ -368,10 +366,9 @@ def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold
         out = _ops(impl, cfg)[1](*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
         return out.reshape(q.shape), kept
     # XLA: the attended pages' logits are reused, not recomputed.
-    logits = jnp.take_along_axis(listed_logits, jnp.maximum(picked, 0)[:, :, None, :, None],
-                                 axis=3)
-    logits = jnp.where((ids >= 0)[:, :, None, :, None], logits + logw[:, :, None, :, None],
-                       -jnp.inf)
+    logits = decode_ref.weighted_logits(
+        jnp.take_along_axis(raw, jnp.maximum(picked, 0)[:, :, None, :, None], axis=3),
+        ids, logw, sm_scale)
     parts = decode_ref.window_parts(*window, sm_scale)
     parts.append(decode_ref.attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, ids))
     return decode_ref.merge_parts(parts)[0].reshape(q.shape), kept

@@ -116,8 +116,9 @@ def test_fused_attention_equals_attending_the_chosen_pages(gqa):
     # The same choice from the candidates' logits, then the plain reference decode.
     qg = attention.group_queries(cfg, q)
     sm = 1.0 / math.sqrt(cfg.head_dim)
-    x = decode_ref.cold_logits(qg, st.int4_k, st.digest_center, st.digest_radius, slots) * sm
-    x = jnp.where((slots >= 0)[:, :, None, :, None], x, -jnp.inf)
+    x = decode_ref.weighted_logits(
+        decode_ref.cold_logits(qg, st.int4_k, st.digest_center, st.digest_radius, slots),
+        slots, None, sm)
     kept2, drawn, drawn_logw = attention.rerank(cfg, x, st.seq_lens)
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(kept2))
     ids = jnp.concatenate([attention.take_or_none(slots, jnp.concatenate([kept2, drawn], -1)),

@@ -83,11 +83,19 @@ def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids):
 def attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
                 cold_ids, cold_logw, sm_scale):
     """Selected int4 pages -> (out, lse)."""
-    ok = cold_ids >= 0
-    logits = cold_logits(q, int4_k, digest_center, digest_radius, cold_ids)
-    logw = cold_logw.astype(jnp.float32)[:, :, None, :, None]
-    logits = jnp.where(ok[:, :, None, :, None], logits * sm_scale + logw, -jnp.inf)
+    logits = weighted_logits(cold_logits(q, int4_k, digest_center, digest_radius, cold_ids),
+                             cold_ids, cold_logw, sm_scale)
     return attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids)
+
+
+def weighted_logits(logits, cold_ids, cold_logw, sm_scale):
+    """`cold_logits` [B, Hkv, G, K, T] -> the softmax's logits: scaled, plus each
+    page's log weight `cold_logw` [B, Hkv, K] (None: none), -inf on unselected
+    slots (-1)."""
+    logits = logits * sm_scale
+    if cold_logw is not None:
+        logits = logits + cold_logw.astype(jnp.float32)[:, :, None, :, None]
+    return jnp.where((cold_ids >= 0)[:, :, None, :, None], logits, -jnp.inf)
 
 
 def attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids):
