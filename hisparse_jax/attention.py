@@ -330,8 +330,14 @@ def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold
     exp(sample_logw) [B, Hkv, n]. `cold` is the state's own pool, or an offload
     working set.
 
-    -> (out [B, Hq, D] float32, kept [B, Hkv, min(C, K)]: the attended candidates,
-    as indices into `slots`, -1 = none)."""
+    -> (out [B, Hq, D] float32, NaN for poisoned sequences; kept [B, Hkv, min(C, K)]:
+    the attended candidates, as indices into `slots`, -1 = none)."""
+    out, kept = _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw,
+                                   implementation)
+    return jnp.where(state.poisoned[:, None, None], jnp.nan, out), kept
+
+
+def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, implementation):
     impl = resolve_implementation(implementation, cfg)
     # Without a tail sample the weights are constant zeros inside decode_attention's
     # jit, and XLA folds `logits + 0` into a different op order than the offload

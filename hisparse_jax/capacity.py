@@ -14,14 +14,13 @@ as `OffloadedCache`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import re
 
 from hisparse_jax import layout
-from hisparse_jax.config import PRESETS, HiSparseConfig
+from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.config import preset as get_preset
+from hisparse_jax.validate import check_number, check_working_set, is_int
 
 GIB = 1 << 30
 
@@ -115,6 +114,20 @@ def layer_config(model: ModelShape | str, context: int, preset: str | HiSparseCo
                         num_pool_pages=None, **overrides)
 
 
+def working_set_pages_for(cfg: HiSparseConfig, multiple: float = 2.0,
+                          pages: int | None = None) -> int:
+    """Offload working set per (sequence, KV head): `pages`, or `multiple` x a step's
+    candidate pages; checked as `OffloadedCache` checks it (validate.check_working_set)."""
+    if pages is None:
+        multiple = check_number("working_set_multiple", multiple, 0.0, above=True)
+        pages = round(multiple * cfg.candidate_pages)
+        if pages < cfg.candidate_pages:
+            raise ValueError(f"a working set of {multiple:g}x the candidate pages is "
+                             f"{pages} pages, below one step's {cfg.candidate_pages}: the "
+                             "multiple must be >= 1")
+    return check_working_set(cfg.candidate_pages, pages)
+
+
 def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None = None, *,
          offload: bool = False, preset: str | HiSparseConfig = "default",
          working_set_multiple: float = 2.0, working_set_pages: int | None = None,
@@ -126,8 +139,15 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     (per (sequence, KV head)) overrides working_set_multiple x candidate pages.
     """
     m = _model(model)
-    if not isinstance(context, int) or context < 1:
+    if not is_int(context) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
+    context = int(context)
+    if not is_int(reserve_bytes) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes must be an int >= 0, got {reserve_bytes!r}")
+    if device_memory_bytes is not None and (not is_int(device_memory_bytes)
+                                            or device_memory_bytes < 1):
+        raise ValueError(f"device_memory_bytes must be a positive int, got "
+                         f"{device_memory_bytes!r}")
     cfg = layer_config(m, context, preset)
     L = m.num_layers
     b = layout.sequence_bytes(cfg, context)            # one layer, everything on device
@@ -144,8 +164,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     ws_pages = 0
     if offload:
         from hisparse_jax.scheduler import working_set_bytes
-        ws_pages = (working_set_pages if working_set_pages is not None
-                    else round(working_set_multiple * cfg.candidate_pages))
+        ws_pages = working_set_pages_for(cfg, working_set_multiple, working_set_pages)
         n_cold = cold_codes // layout.per_page_cold_bytes(cfg)[0]
         ws_pages = max(0, min(ws_pages, n_cold))  # never more than the sequence has
         tiers["working_set"] = working_set_bytes(cfg, ws_pages) if ws_pages else 0
@@ -199,77 +218,3 @@ def offload_target_check(model="llama3-8b", context=1 << 20, target=16.0) -> dic
     return {name: {"capacity_vs_bf16": r["capacity_vs_bf16"],
                    "device_bytes_per_token_per_kv_head": r["device_bytes_per_token_per_kv_head"],
                    "meets_target": r["capacity_vs_bf16"] >= target} for name, r in rows.items()}
-
-
-# ---------------------------------------------------------------- CLI
-
-def _table(p: dict) -> str:
-    lines = [(f"{p['model']}  context {p['context']}  preset {p['preset']} (page "
-             f"{p['page_size']}, budget {p['budget_pages']} pages)  "
-             f"{'offload' if p['offload'] else 'all on device'}")]
-    w = max(len(k) for k in p["tiers_device_bytes"]) + 2
-    for k, v in p["tiers_device_bytes"].items():
-        lines.append(f"  device {k.ljust(w)}{fmt_bytes(v):>12}")
-    lines.append(f"  {'device total'.ljust(w + 7)}{fmt_bytes(p['device_bytes']):>12}")
-    lines.append(f"  {'host total'.ljust(w + 7)}{fmt_bytes(p['host_bytes']):>12}")
-    lines.append(f"  {'bf16 paged cache'.ljust(w + 7)}{fmt_bytes(p['bf16_paged_bytes']):>12}")
-    lines.append(f"  device bytes/token/KV head {p['device_bytes_per_token_per_kv_head']:.2f} "
-                 f"(bf16 {p['bf16_bytes_per_token_per_kv_head']:.2f})")
-    if "max_sequences" in p:
-        lines.append(f"  max concurrent sequences in {fmt_bytes(p['device_memory_bytes'])}"
-                     f"{' - reserve ' + fmt_bytes(p['reserve_bytes']) if p['reserve_bytes'] else ''}"
-                     f": {p['max_sequences']} (bf16: {p['max_sequences_bf16']})")
-    lines.append(log_line(p))
-    return "\n".join(lines)
-
-
-def main_capacity(args) -> dict:
-    """`hisparse capacity ...`: prints a table (or JSON with --json); returns the plan."""
-    try:
-        dev = parse_size(args.device_memory) if args.device_memory is not None else None
-        reserve = parse_size(args.reserve) if args.reserve else 0
-        context = parse_tokens(args.context)  # already an int from the parser
-        p = plan(args.model, context, dev, offload=args.offload, preset=args.preset,
-                 working_set_multiple=args.working_set, reserve_bytes=reserve)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    print(json.dumps(p) if args.json else _table(p))
-    return p
-
-
-def _tokens_arg(text):
-    try:
-        return parse_tokens(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e))
-
-
-def _positive_float(text):
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if x < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return x
-
-
-def add_capacity_parser(subparsers):
-    """Adds `capacity` to an argparse subparsers object (sets func=main_capacity)."""
-    c = subparsers.add_parser("capacity", help="KV cache bytes per tier, device/host, "
-                                               "sequences that fit")
-    c.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
-    c.add_argument("--context", type=_tokens_arg, default=1 << 20,
-                   help="tokens per sequence (e.g. 1048576, 128K, 1M)")
-    c.add_argument("--device-memory", default=None,
-                   help="device budget for KV caches, e.g. 141GB, 80GiB, or bytes")
-    c.add_argument("--reserve", default=None, help="device bytes reserved (e.g. weights: 16GB)")
-    c.add_argument("--preset", default="default", choices=sorted(PRESETS))
-    c.add_argument("--offload", action="store_true",
-                   help="cold int4 pages in host memory; device keeps digests + working set")
-    c.add_argument("--working-set", type=_positive_float, default=2.0,
-                   help="resident cold pages per (sequence, KV head), in multiples of a "
-                        "step's candidate pages (offload mode)")
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=main_capacity)
-    return c

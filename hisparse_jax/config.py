@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hisparse_jax.validate import is_int, is_number
+
 FULL_BUDGET = -1  # budget_tokens value meaning "attend every cold page"
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
@@ -77,38 +79,46 @@ class HiSparseConfig:
             if not ok:
                 raise ValueError(f"HiSparseConfig.{field}={getattr(self, field)!r}: {why}")
 
+        # numpy numbers become Python ones: the config is a static jit argument and
+        # its repr names the cache in messages. Bools are not numbers here.
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if is_int(v):
+                object.__setattr__(self, f.name, int(v))
+            elif is_number(v):
+                object.__setattr__(self, f.name, float(v))
         for f in ("num_kv_heads", "gqa_group", "head_dim", "page_size", "max_context", "max_seqs"):
             v = getattr(self, f)
-            need(isinstance(v, int) and v >= 1, f, "must be a positive int")
+            need(is_int(v) and v >= 1, f, "must be a positive int")
         for f in ("sink_tokens", "hot_tokens", "warm_tokens"):
             v = getattr(self, f)
-            need(isinstance(v, int) and v >= 0, f, "must be a non-negative int")
+            need(is_int(v) and v >= 0, f, "must be a non-negative int")
         p = self.page_size
         need(p & (p - 1) == 0, "page_size", "must be a power of two")
         need(self.head_dim % 2 == 0, "head_dim", "must be even (two int4 codes per byte)")
-        need(isinstance(self.value_group, int) and self.value_group >= 1
+        need(is_int(self.value_group) and self.value_group >= 1
              and (self.head_dim // 2) % self.value_group == 0,
              "value_group", f"must divide head_dim/2={self.head_dim // 2}")
         need(self.hot_tokens >= p and self.hot_tokens % p == 0, "hot_tokens",
              f"must be a positive multiple of page_size={p}")
         need(self.warm_tokens % p == 0, "warm_tokens", f"must be a multiple of page_size={p}")
-        need(isinstance(self.budget_tokens, int) and
+        need(is_int(self.budget_tokens) and
              (self.budget_tokens == FULL_BUDGET or
               (self.budget_tokens >= 0 and self.budget_tokens % p == 0)),
              "budget_tokens", f"must be a multiple of page_size={p} or FULL_BUDGET (-1)")
         need(self.max_context % p == 0, "max_context", f"must be a multiple of page_size={p}")
-        need(isinstance(self.bound_share, (int, float)) and 0.0 <= self.bound_share <= 1.0,
+        need(is_number(self.bound_share) and 0.0 <= self.bound_share <= 1.0,
              "bound_share", "must be a number in [0, 1]")
-        need(isinstance(self.tail_sample_pages, int) and self.tail_sample_pages >= 0,
+        need(is_int(self.tail_sample_pages) and self.tail_sample_pages >= 0,
              "tail_sample_pages", "must be a non-negative int")
-        need(isinstance(self.rerank_multiple, (int, float)) and math.isfinite(self.rerank_multiple)
+        need(is_number(self.rerank_multiple) and math.isfinite(self.rerank_multiple)
              and self.rerank_multiple >= 1, "rerank_multiple", "must be a finite number >= 1")
-        need(isinstance(self.rerank_sample_pages, int) and self.rerank_sample_pages >= 0,
+        need(is_int(self.rerank_sample_pages) and self.rerank_sample_pages >= 0,
              "rerank_sample_pages", "must be a non-negative int")
-        need(isinstance(self.sticky_nats, (int, float)) and math.isfinite(self.sticky_nats)
+        need(is_number(self.sticky_nats) and math.isfinite(self.sticky_nats)
              and self.sticky_nats >= 0, "sticky_nats", "must be a finite number >= 0")
         if self.num_pool_pages is not None:
-            need(isinstance(self.num_pool_pages, int) and self.num_pool_pages >= 1,
+            need(is_int(self.num_pool_pages) and self.num_pool_pages >= 1,
                  "num_pool_pages", "must be a positive int or None")
 
     # Derived sizes (pages). Sink pages are whole pages so tiers never share a page.

@@ -23,7 +23,8 @@ class Bytes:
     fp8_tier: int       # warm K/V + scales
     int4_tier: int      # cold K/V codes + value scales/zeros
     digests: int        # per-page key range (centre, radius)
-    page_tables: int    # page table, lengths, free-page stack, page refcounts, last selection
+    page_tables: int    # page table, lengths, free-page stack, page refcounts, last
+                        # selection, poisoned flags
     host: int = 0       # bytes kept off the device (offload mode)
 
     @property
@@ -56,7 +57,7 @@ def state_bytes(cfg: HiSparseConfig) -> Bytes:
         int4_tier=cfg.pool_pages * codes,
         digests=cfg.pool_pages * digest,
         page_tables=b * cfg.max_pages * I32 + b * I32 + 2 * cfg.pool_pages * I32 + I32
-        + b * h * cfg.max_pages * BOOL)
+        + b * h * cfg.max_pages * BOOL + b * BOOL)
 
 
 def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
@@ -71,7 +72,7 @@ def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
     codes, digest = per_page_cold_bytes(cfg)
     return dataclasses.replace(full, int4_tier=n_cold * codes, digests=n_cold * digest,
                                page_tables=one.max_pages * I32 + I32 + 2 * n_cold * I32
-                               + cfg.num_kv_heads * one.max_pages * BOOL)
+                               + cfg.num_kv_heads * one.max_pages * BOOL + BOOL)
 
 
 def bf16_paged_bytes(cfg: HiSparseConfig, context: int) -> int:

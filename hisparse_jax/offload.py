@@ -35,6 +35,7 @@ from hisparse_jax import state as st
 from hisparse_jax.attention import attend_cold_slots, pool_pages, remember, select, take_or_none
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.validate import check_int, check_working_set
 
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 
@@ -155,14 +156,18 @@ class OffloadedCache:
 
     def __init__(self, cache: HiSparseCache, working_set: int | None = None,
                  policy: scheduler.Policy | None = None, device_budget: int | None = None):
+        # Every check comes before the cache's cold codes move out.
+        if not isinstance(cache, HiSparseCache):
+            raise ValueError(f"cache must be a HiSparseCache, got {type(cache).__name__}")  # noqa: TRY004
         cfg = cache.cfg
         if cache.cold_store is not None:
             raise ValueError("this cache is already offloaded")
-        w = working_set or 2 * cfg.candidate_pages
-        if w < cfg.candidate_pages:
-            raise ValueError(f"working_set={w} must hold a step's candidate pages "
-                             f"({cfg.candidate_pages})")
+        w = check_working_set(cfg.candidate_pages, 2 * cfg.candidate_pages
+                              if working_set is None else working_set)
+        if policy is not None and not isinstance(policy, scheduler.Policy):
+            raise ValueError(f"policy must be a scheduler.Policy, got {policy!r}")
         if device_budget is not None:  # refuse before taking the cache's buffers
+            device_budget = check_int("device_budget", device_budget, minimum=1)
             self._pick_level(cfg, cfg, w / cfg.candidate_pages, device_budget,
                              jax.eval_shape(_without_cold_codes, cache.state))
         self.cfg = cfg
@@ -268,6 +273,7 @@ class OffloadedCache:
         (shrinking or, when the pressure eased, growing the selection budget back);
         raises DeviceBudgetError and changes nothing if none fits. Returns the
         config now in use."""
+        budget = check_int("budget", budget, minimum=1)
         lvl, w = self._pick_level(self.nominal, self.cfg, self.working_set_multiple, budget,
                                   self.state)
         if lvl.hot_tokens != self.cfg.hot_tokens or lvl.warm_tokens != self.cfg.warm_tokens:
@@ -337,16 +343,32 @@ class OffloadedCache:
         GPU they overlap the layer below's attention. Fetches at most the policy's
         `max_prefetch` pages per (sequence, KV head), never evicting the last
         step's selection; LRU fetches nothing."""
-        pages = jnp.asarray(pages, jnp.int32)
-        c = self.cfg
-        if pages.ndim != 3 or pages.shape[:2] != (c.max_seqs, c.num_kv_heads):
-            raise ValueError(f"pages must be [{c.max_seqs}, {c.num_kv_heads}, K], "
-                             f"got {tuple(pages.shape)}")
+        pages = self._check_pages(pages)
         if self.sched.policy.kind == "lru":
             return
         plan = scheduler.plan_prefetch(self.sched, pages)
         self._copy_in(np.asarray(pool_pages(self.state.page_table, plan.fetch)))
         self.sched = scheduler.apply_prefetch(self.sched, plan)
+
+    def _check_pages(self, pages) -> jax.Array:
+        """Logical page ids [B, Hkv, K]: integers, each -1 or a cold page of its
+        sequence (a float id or one past the context names no page)."""
+        c = self.cfg
+        arr = np.asarray(pages)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"pages must be integer logical page ids, got dtype {arr.dtype}")
+        if arr.ndim != 3 or arr.shape[:2] != (c.max_seqs, c.num_kv_heads):
+            raise ValueError(f"pages must be [{c.max_seqs}, {c.num_kv_heads}, K], "
+                             f"got {tuple(arr.shape)}")
+        first = c.sink_pages
+        end = first + st.num_cold_pages(c, self.cache.seq_lens)[:, None, None]
+        bad = (arr != -1) & ((arr < first) | (arr >= end))
+        if bad.any():
+            b, h, _ = np.argwhere(bad)[0]
+            raise ValueError(f"pages[{b}, {h}] holds {int(arr[bad][0])}, not a cold page of "
+                             f"sequence {b} (cold pages {first}..{int(end[b, 0, 0]) - 1}) "
+                             "nor -1")
+        return jnp.asarray(arr, jnp.int32)
 
     def _copy_in(self, fetch_pool):
         """Host -> working set: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""

@@ -9,7 +9,12 @@ mismatch is a counted collision, never a reuse), a reference count and a pinned
 flag (prewarmed documents). Eviction order: unpinned prefixes with no references,
 oldest use first; pinned or referenced entries are never evicted.
 
-Pure Python/numpy, no device code. The cache calls it like this (not wired yet):
+Ownership: an index holds one cache's pool page ids, so it serves exactly one
+cache (`HiSparseCache` binds it, and a second cache is refused): a model gives
+each layer's cache its own index. Token ids are integer arrays (floats are
+refused, never truncated into a "match").
+
+Pure Python/numpy, no device code. The cache calls it like this:
 
     hashes = page_hashes(tokens, page_size)
     n, pages = index.match(tokens, page_size)     # reuse the first n full pages
@@ -21,6 +26,7 @@ Pure Python/numpy, no device code. The cache calls it like this (not wired yet):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import struct
@@ -28,6 +34,8 @@ from collections.abc import Callable, Sequence
 
 import mmh3
 import numpy as np
+
+from hisparse_jax.validate import check_int, check_token_ids, is_int
 
 HASH_SEED = 0x48695370  # "HiSp"
 
@@ -42,9 +50,8 @@ def mmh3_page_hash(prev: int | None, tokens: np.ndarray) -> int:
 def page_hashes(tokens: Sequence[int], page_size: int,
                 hash_fn: Callable = mmh3_page_hash) -> list[int]:
     """Chained hashes of every full page of `tokens` (a partial last page has none)."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    t = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    check_int("page_size", page_size, minimum=1)
+    t = check_token_ids("tokens", tokens)
     out, prev = [], None
     for i in range(len(t) // page_size):
         prev = hash_fn(prev, t[i * page_size:(i + 1) * page_size])
@@ -70,9 +77,7 @@ class PrefixIndex:
                  allocate: Callable[[int], Sequence] | None = None):
         """allocate(n) -> n pool page entries, used by prewarm when no pages are given
         (the cache passes its free-page allocator)."""
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
+        self.page_size = check_int("page_size", page_size, minimum=1)
         self.hash_fn = hash_fn
         self.allocate = allocate
         self.entries: dict[int, Entry] = {}
@@ -80,6 +85,40 @@ class PrefixIndex:
         self.owner: dict[int, int] = {}            # pool page id -> hash of its entry
         self.stats = {"hits": 0, "misses": 0, "collisions": 0, "evictions": 0}
         self._clock = itertools.count(1)
+        self.bound = False  # a cache holds this index (`bind`)
+        self._on_free = None  # the bound cache's hook for pool pages evict() frees
+        self._writing = False
+
+    def bind(self, on_free: Callable[[list], None]):
+        """Called by the cache that takes this index; its entries will name that
+        cache's pool pages, which no other cache has. on_free(pool pages) drops the
+        references `evict` gives up. From now on insert / prewarm / acquire /
+        release come from that cache only (`writer`): they must stay in step with
+        its device page references."""
+        if self.bound:
+            raise ValueError("this PrefixIndex already serves another cache, and its entries "
+                             "name that cache's pool pages: give each cache (each layer) its "
+                             "own PrefixIndex")
+        if self.entries:
+            raise ValueError(f"a cache can only take an empty PrefixIndex (this one holds "
+                             f"{len(self.entries)} entries for pages the cache never wrote)")
+        self.bound = True
+        self._on_free = on_free
+
+    @contextlib.contextmanager
+    def writer(self):
+        """The bound cache's own updates (see `bind`)."""
+        self._writing = True
+        try:
+            yield self
+        finally:
+            self._writing = False
+
+    def _check_writer(self, what: str):
+        if self.bound and not self._writing:
+            raise ValueError(f"PrefixIndex.{what}: this index belongs to a cache, whose device "
+                             "page references must match it; use the cache's prefill / "
+                             "prewarm / release instead")
 
     # ------------------------------------------------------------ lookups
     def hashes(self, tokens) -> list[int]:
@@ -100,7 +139,7 @@ class PrefixIndex:
         """Longest reusable prefix: (number of full pages n, pool pages of each).
         Every hit is verified against the token ids; a mismatch is a collision and
         ends the match (the page is never reused)."""
-        t = tuple(int(x) for x in np.asarray(tokens, np.int64).reshape(-1))
+        t = tuple(int(x) for x in check_token_ids("tokens", tokens))
         pg = self.page_size
         pages, parent = [], None
         for i, h in enumerate(self.hashes(t)):
@@ -121,17 +160,22 @@ class PrefixIndex:
         are kept as they are; the caller's duplicate pool pages stay the caller's.
         A hash held by different tokens (collision) is counted and that page and
         the rest of the prefix are not indexed. Returns the hashes indexed or found."""
-        t = tuple(int(x) for x in np.asarray(tokens, np.int64).reshape(-1))
+        self._check_writer("insert")
+        t = tuple(int(x) for x in check_token_ids("tokens", tokens))
         hs = self.hashes(t)
         if len(pool_pages) < len(hs):
             raise ValueError(f"{len(hs)} full pages need {len(hs)} pool page entries, "
                              f"got {len(pool_pages)}")
+        entries = []
+        for pages in pool_pages[:len(hs)]:  # checked before anything is indexed
+            pages = tuple(pages) if isinstance(pages, (tuple, list, np.ndarray)) else (pages,)
+            if not all(is_int(p) and p >= 0 for p in pages):
+                raise ValueError(f"pool pages must be ints >= 0, got {pages!r}")
+            entries.append(tuple(int(p) for p in pages))
         pg, done, parent = self.page_size, [], None
         for i, h in enumerate(hs):
             page_tokens = t[i * pg:(i + 1) * pg]
-            pages = pool_pages[i]
-            pages = tuple(int(p) for p in (pages if isinstance(pages, (tuple, list, np.ndarray))
-                                           else (pages,)))
+            pages = entries[i]
             if h in self.entries:
                 if self._verify(h, page_tokens, parent) is None:
                     break
@@ -149,6 +193,7 @@ class PrefixIndex:
 
     def acquire(self, hashes: Sequence[int]):
         """A sequence starts using these pages (all must be indexed)."""
+        self._check_writer("acquire")
         missing = [h for h in hashes if h not in self.entries]
         if missing:
             raise KeyError(f"{len(missing)} hashes are not indexed")
@@ -160,6 +205,7 @@ class PrefixIndex:
     def release(self, hashes: Sequence[int]):
         """A sequence stops using these pages. Releasing more than acquired raises
         before anything changes."""
+        self._check_writer("release")
         need: dict[int, int] = {}
         for h in hashes:
             need[h] = need.get(h, 0) + 1
@@ -173,8 +219,12 @@ class PrefixIndex:
     def prewarm(self, context_id: str, tokens, pool_pages: Sequence | None = None) -> list[int]:
         """Index a long document once and pin it under `context_id` (never evicted
         until `unpin(context_id)`). Without pool_pages, pages come from `allocate`."""
+        self._check_writer("prewarm")
+        if not isinstance(context_id, str) or not context_id:
+            raise ValueError(f"context_id must be a non-empty str, got {context_id!r}")
         if context_id in self.contexts:
             raise ValueError(f"context {context_id!r} is already prewarmed")
+        tokens = check_token_ids("tokens", tokens)
         if pool_pages is None:
             if self.allocate is None:
                 raise ValueError("prewarm needs pool_pages or an index built with allocate=")
@@ -186,6 +236,8 @@ class PrefixIndex:
         return hs
 
     def unpin(self, context_id: str):
+        if context_id not in self.contexts:
+            raise ValueError(f"context {context_id!r} is not prewarmed")
         hs = self.contexts.pop(context_id)
         still = {h for other in self.contexts.values() for h in other}
         for h in hs:
@@ -205,7 +257,10 @@ class PrefixIndex:
                       key=lambda h: self.entries[h].last_use)
 
     def evict(self, max_entries: int | None = None) -> list[int]:
-        """Evict up to max_entries (None: all that can go); returns the freed pool pages."""
+        """Evict up to max_entries (None: all that can go); returns the freed pool pages
+        (a bound cache drops its references to them at once)."""
+        if max_entries is not None:
+            max_entries = check_int("max_entries", max_entries, minimum=0)
         freed, n = [], 0
         while max_entries is None or n < max_entries:
             order = self.eviction_order()
@@ -218,6 +273,8 @@ class PrefixIndex:
             freed.extend(e.pages)
             self.stats["evictions"] += 1
             n += 1
+        if freed and self._on_free is not None:
+            self._on_free(freed)
         return freed
 
     # ------------------------------------------------------------ views

@@ -28,6 +28,8 @@ def levels(cfg: HiSparseConfig) -> list[HiSparseConfig]:
     """The configs to fall back to under pressure, least degraded first (cfg itself
     first). The hot window shrinks first: it costs the least quality (its tokens
     stay, in fp8) and saves bf16 bytes; then the budget halves."""
+    if not isinstance(cfg, HiSparseConfig):
+        raise ValueError(f"cfg must be a HiSparseConfig, got {type(cfg).__name__}")  # noqa: TRY004
     out = [cfg]
     hot = max(MIN_HOT_TOKENS, cfg.page_size)
     if cfg.hot_tokens > hot:

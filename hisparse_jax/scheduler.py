@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 import time
 
@@ -47,6 +46,7 @@ from flax import struct
 
 from hisparse_jax import layout
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.validate import check_int, is_int, is_number
 
 COUNTERS = ("selected", "hits", "misses", "fetched", "prefetched", "evictions")
 POLICIES = ("predictive", "lru")
@@ -64,10 +64,15 @@ class Policy:
     def __post_init__(self):
         if self.kind not in POLICIES:
             raise ValueError(f"Policy.kind must be one of {POLICIES}, got {self.kind!r}")
-        if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"Policy.decay must be in [0, 1), got {self.decay!r}")
-        if not (isinstance(self.max_prefetch, int) and self.max_prefetch >= 0):
+        if not (is_number(self.decay) and 0.0 <= self.decay < 1.0):
+            raise ValueError(f"Policy.decay must be a number in [0, 1), got {self.decay!r}")
+        if not (is_int(self.max_prefetch) and self.max_prefetch >= 0):
             raise ValueError(f"Policy.max_prefetch must be an int >= 0, got {self.max_prefetch!r}")
+        if not isinstance(self.prefetch_candidates, bool):
+            raise ValueError(f"Policy.prefetch_candidates must be a bool, got "  # noqa: TRY004
+                             f"{self.prefetch_candidates!r}")
+        object.__setattr__(self, "decay", float(self.decay))
+        object.__setattr__(self, "max_prefetch", int(self.max_prefetch))
 
 
 LRU = Policy(kind="lru", max_prefetch=0)
@@ -97,8 +102,11 @@ class Plan:
 
 def init_state(batch: int, num_kv_heads: int, working_set: int,
                policy: Policy = Policy()) -> SchedulerState:
-    if working_set < 1:
-        raise ValueError(f"working_set must be >= 1, got {working_set}")
+    batch = check_int("batch", batch, minimum=1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+    working_set = check_int("working_set", working_set, minimum=1)
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy must be a scheduler.Policy, got {policy!r}")  # noqa: TRY004
     shape = (batch, num_kv_heads, working_set)
     return SchedulerState(resident=jnp.full(shape, -1, jnp.int32),
                           score=jnp.zeros(shape, jnp.float32),
@@ -224,6 +232,15 @@ def _plan_row(policy: Policy, step, res, score, last, sel, pred, n_fetchable=Non
     return fetch, evict, predicted, hit, new_res, new_score, new_last.astype(jnp.int32), delta
 
 
+def _check_pages(name: str, state: SchedulerState, pages):
+    """Shapes and dtype (static under jit): logical page ids [B, Hkv, K], integers."""
+    if not jnp.issubdtype(pages.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer logical page ids, got dtype {pages.dtype}")
+    if pages.ndim != 3 or pages.shape[:2] != state.resident.shape[:2]:
+        raise ValueError(f"{name} must be [{state.resident.shape[0]}, "
+                         f"{state.resident.shape[1]}, K], got {tuple(pages.shape)}")
+
+
 @jax.jit
 def plan(state: SchedulerState, selected_pages: jax.Array, prev_layer_selected=None,
          candidates=None) -> Plan:
@@ -233,6 +250,10 @@ def plan(state: SchedulerState, selected_pages: jax.Array, prev_layer_selected=N
     step (known one layer ahead of need) — and candidates [B, Hkv, C] — this step's
     runner-up pages, best first — are the predictions; LRU ignores both.
     """
+    _check_pages("selected_pages", state, selected_pages)
+    for name, x in (("prev_layer_selected", prev_layer_selected), ("candidates", candidates)):
+        if x is not None:
+            _check_pages(name, state, x)
     W, K = state.resident.shape[-1], selected_pages.shape[-1]
     if K > W:
         raise ValueError(f"working set W={W} must hold the selection K={K}")
@@ -271,6 +292,7 @@ def plan_prefetch(state: SchedulerState, pages: jax.Array) -> Plan:
     to `max_prefetch` of them that are not resident are fetched, never in place
     of the last step's selection; LRU prefetches nothing. Commit with
     `apply_prefetch` (the step does not advance)."""
+    _check_pages("pages", state, pages)
     b, h = pages.shape[:2]
     row = functools.partial(_plan_row, state.policy, state.step, between_steps=True)
     fetch, evict, predicted, hit, res, score, last, delta = jax.vmap(jax.vmap(row))(
@@ -293,8 +315,7 @@ def resize(state: SchedulerState, working_set: int) -> tuple[SchedulerState, jax
     keeps the pages the policy values most: the last step's selection, then by
     recency-weighted frequency, then recency. Returns (state, source [B, Hkv, W']
     int32: the old slot whose page each new slot keeps, -1 = empty slot)."""
-    if working_set < 1:
-        raise ValueError(f"working_set must be >= 1, got {working_set}")
+    check_int("working_set", working_set, minimum=1)
     W = state.resident.shape[-1]
     recent = state.last_used >= state.step - 1
     value = jnp.where(state.resident >= 0,
@@ -316,10 +337,15 @@ def resize(state: SchedulerState, working_set: int) -> tuple[SchedulerState, jax
                          last_used=take(state.last_used, -1), counters=counters), src
 
 
-@jax.jit
 def forget_sequence(state: SchedulerState, seq) -> SchedulerState:
     """Empty sequence `seq`'s working set (it was released: its logical page ids
     will name another sequence's pages)."""
+    seq = check_int("seq", seq, minimum=0, maximum=state.resident.shape[0] - 1)
+    return _forget(state, seq)
+
+
+@jax.jit
+def _forget(state: SchedulerState, seq) -> SchedulerState:
     return state.replace(resident=state.resident.at[seq].set(-1),
                          score=state.score.at[seq].set(0.0),
                          last_used=state.last_used.at[seq].set(-1))
@@ -616,60 +642,3 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
                              "command": " ".join(["hisparse"] + sys.argv[1:])
                              if sys.argv else ""})
     return rows
-
-
-def main_bench_scheduler(args) -> list[dict]:
-    rows = bench_scheduler(context=args.context, steps=args.steps, seed=args.seed,
-                           step_noise=args.step_noise, step_overlap=args.step_overlap,
-                           layer_noise=args.layer_noise,
-                           kinds=tuple(args.traces.split(",")),
-                           max_prefetch=tuple(int(x) for x in args.max_prefetch.split(",")),
-                           oracle=args.oracle, sticky_nats=args.sticky_nats,
-                           multiples=tuple(float(x) if "." in x else int(x)
-                                           for x in args.multiples.split(",")),
-                           log=lambda m: print(m, file=sys.stderr, flush=True))
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-    else:
-        hdr = ("trace", "W", "policy", "hit rate", "MiB/step (h2d)", "prefetched", "evictions")
-        out = [(r["trace"], f"{r['working_set_multiple']}x", r["policy"], f"{r['hit_rate']:.3f}",
-                f"{r['h2d_bytes_per_step'] / 2**20:.2f}" if "fetched" in r else "-",
-                r.get("prefetched", "-"), r.get("evictions", "-")) for r in rows]
-        w = [max(len(str(h)), *(len(str(o[i])) for o in out)) for i, h in enumerate(hdr)]
-        print("  ".join(str(h).ljust(x) for h, x in zip(hdr, w)))
-        for o in out:
-            print("  ".join(str(c).ljust(x) for c, x in zip(o, w)))
-    return rows
-
-
-def add_scheduler_bench_parser(bench_subparsers):
-    """Adds `scheduler` under `hisparse bench` (sets func=main_bench_scheduler)."""
-    s = bench_subparsers.add_parser("scheduler", help="offload residency: predictive policy vs "
-                                                      "LRU hit rate and host->device bytes")
-    s.add_argument("--context", type=int, default=32768)
-    s.add_argument("--steps", type=int, default=256)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--traces", default="drift,retrieval", help="comma-separated trace kinds")
-    s.add_argument("--oracle", action="store_true",
-                   help="also Belady's MIN (future-knowing eviction, no prefetch) as a bound")
-    s.add_argument("--multiples", default="1,2,4",
-                   help="working sets to measure, in multiples of a step's candidate pages")
-    s.add_argument("--max-prefetch", default="32",
-                   help="comma-separated prefetch limits per (sequence, KV head) per step "
-                        "for the predictive policy (a sweep: 8,16,32,64)")
-    s.add_argument("--step-overlap", type=float, default=0.70,
-                   help="share of pages consecutive steps select in common; the per-step "
-                        "query jitter is solved for it (0.70: the low end of published "
-                        "70-100%%)")
-    s.add_argument("--step-noise", type=float, default=None,
-                   help="a fixed per-step query jitter (x query norm) instead of "
-                        "--step-overlap")
-    s.add_argument("--layer-noise", type=float, default=0.3,
-                   help="adjacent-layer query jitter (x query norm)")
-    s.add_argument("--sticky-nats", type=float, default=None,
-                   help="how much selection favours the last step's pages (default: the "
-                        "preset's; 0 = every step selected afresh)")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=main_bench_scheduler)
-    return s

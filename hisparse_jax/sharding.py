@@ -26,7 +26,7 @@ _HEAD_DIM = {
     "int4_k": 0, "int4_v": 0, "int4_v_scale": 0, "int4_v_zero": 0,
     "digest_center": 0, "digest_radius": 0,
     "page_table": None, "seq_lens": None, "free_pages": None, "num_free": None,
-    "refcount": None, "last_selected": 1,
+    "refcount": None, "last_selected": 1, "poisoned": None,
 }
 
 

@@ -48,6 +48,9 @@ class CacheState:
                              #   index holds it; a page is freed when this reaches 0
     last_selected: jax.Array  # [B, Hkv, max_pages] bool: the cold pages the last decode
                               #   step selected (`attention.remember`, cfg.sticky_nats)
+    poisoned: jax.Array      # [B] bool: the sequence took a non-finite K or V value; its
+                             #   attention outputs are NaN until release (never a silent
+                             #   wrong answer: a NaN key would otherwise drop its page)
 
 
 def init_state(cfg: HiSparseConfig) -> CacheState:
@@ -70,6 +73,7 @@ def init_state(cfg: HiSparseConfig) -> CacheState:
         num_free=jnp.array(p, jnp.int32),
         refcount=z((p,), jnp.int32),
         last_selected=z((b, h, cfg.max_pages), bool),
+        poisoned=z((b,), bool),
     )
 
 
@@ -176,6 +180,8 @@ def _prefill(cfg, state, seq, k, v, length, shared, implementation):
     t = k.shape[0]
     npg = t // pg
     tok_valid = jnp.arange(t) < length
+    poisoned = ~(jnp.all(jnp.isfinite(k) | ~tok_valid[:, None, None])
+                 & jnp.all(jnp.isfinite(v) | ~tok_valid[:, None, None]))
     k = jnp.where(tok_valid[:, None, None], k.astype(jnp.float32), 0.0)
     v = jnp.where(tok_valid[:, None, None], v.astype(jnp.float32), 0.0)
     # [npg, Hkv, page, D]
@@ -220,6 +226,7 @@ def _prefill(cfg, state, seq, k, v, length, shared, implementation):
         page_table=state.page_table.at[seq].set(table_row),
         seq_lens=state.seq_lens.at[seq].set(length), refcount=refcount,
         last_selected=state.last_selected.at[seq].set(False),
+        poisoned=state.poisoned.at[seq].set(poisoned),
         num_free=state.num_free - jnp.sum(is_new).astype(jnp.int32))
     return state, pool_ids.astype(jnp.int32), new_cold
 
@@ -308,8 +315,10 @@ def _append_token(cfg, state, k, v, active, implementation):
     slot = jnp.where(active, slot, state.bf16_k.shape[2])  # inactive: dropped
     bf16_k = state.bf16_k.at[b_idx, :, slot].set(k.astype(jnp.bfloat16), mode="drop")
     bf16_v = state.bf16_v.at[b_idx, :, slot].set(v.astype(jnp.bfloat16), mode="drop")
+    finite = jnp.all(jnp.isfinite(k), axis=(1, 2)) & jnp.all(jnp.isfinite(v), axis=(1, 2))
     state = state.replace(bf16_k=bf16_k, bf16_v=bf16_v, page_table=table,
                           refcount=state.refcount.at[pool_ids].set(1, mode="drop"),
+                          poisoned=state.poisoned | (active & ~finite),
                           seq_lens=state.seq_lens + active.astype(jnp.int32),
                           num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
     return state, pool_ids.astype(jnp.int32), new_cold
@@ -337,7 +346,8 @@ def release(cfg: HiSparseConfig, state: CacheState, seq: jax.Array) -> CacheStat
     state = _unref(cfg, state, state.page_table[seq])
     return state.replace(page_table=state.page_table.at[seq].set(-1),
                          seq_lens=state.seq_lens.at[seq].set(0),
-                         last_selected=state.last_selected.at[seq].set(False))
+                         last_selected=state.last_selected.at[seq].set(False),
+                         poisoned=state.poisoned.at[seq].set(False))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

@@ -48,3 +48,87 @@ def dense(q, k, v):
         p = np.exp(lg - lg.max())
         out[h] = (p / p.sum()) @ v[:, h // g]
     return out
+
+
+def cli_error(capsys, argv, code=2) -> str:
+    """Run `hisparse argv`, expect a user error: exit code 2 and one line on
+    stderr, `hisparse <command>: error: ...`, no traceback. Returns that line."""
+    import pytest
+
+    from hisparse_jax.cli import main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == code, err
+    lines = [x for x in err.splitlines() if ": error: " in x]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("hisparse") and lines == err.splitlines()[-1:], err
+    return lines[0]
+
+
+def cache_snapshot(cache) -> dict:
+    """Everything a HiSparseCache (or OffloadedCache) holds, as host copies: the
+    device state, the host mirrors, the prefix index, and in offload mode the host
+    pool, the working set and the scheduler state. Equal snapshots = same cache."""
+    import jax
+
+    inner = getattr(cache, "cache", cache)
+    snap = {"state": [np.asarray(x) for x in jax.tree_util.tree_leaves(inner.state)],
+            "seq_lens": inner.seq_lens.copy(), "num_free": inner.num_free,
+            "seq_hashes": {k: list(v) for k, v in inner.seq_hashes.items()},
+            "cfg": inner.cfg}
+    ix = inner.prefix
+    if ix is not None:
+        snap["prefix"] = ({h: (e.pages, e.tokens, e.parent, e.refcount, e.pinned)
+                           for h, e in ix.entries.items()},
+                          {k: list(v) for k, v in ix.contexts.items()}, dict(ix.owner))
+    if inner.cold_store is not None:
+        off = inner.cold_store
+        snap["offload"] = ([np.asarray(x) for x in jax.tree_util.tree_leaves(
+            (off.host, off.ws, off.sample_ws, off.sample_held, off.sched))],
+            off.working_set, off.cfg)
+    return snap
+
+
+def assert_same_snapshot(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key, x in a.items():
+        y = b[key]
+        if key == "state":
+            assert len(x) == len(y)
+            for u, w in zip(x, y):
+                np.testing.assert_array_equal(u, w)
+        elif key == "offload":
+            for u, w in zip(x[0], y[0]):
+                np.testing.assert_array_equal(u, w)
+            assert x[1:] == y[1:]
+        elif isinstance(x, np.ndarray):
+            np.testing.assert_array_equal(x, y)
+        else:
+            assert x == y, key
+
+
+def check_page_accounting(cache):
+    """No leaked or aliased pool page: every page's refcount is the page-table
+    entries naming it plus one if the prefix index holds it; the free stack holds
+    exactly the pages nobody references, once each; the host mirror of num_free
+    matches the device."""
+    inner = getattr(cache, "cache", cache)
+    st = inner.state
+    p = inner.cfg.pool_pages
+    table = np.asarray(st.page_table)
+    refs = np.bincount(table[table >= 0], minlength=p)
+    if inner.prefix is not None:
+        for page in inner.prefix.live_pages():
+            refs[page] += 1
+    np.testing.assert_array_equal(np.asarray(st.refcount), refs)
+    n_free = int(st.num_free)
+    assert n_free == inner.num_free
+    free = np.asarray(st.free_pages)[:n_free]
+    assert len(set(free.tolist())) == n_free
+    assert set(free.tolist()) == set(np.flatnonzero(refs == 0).tolist())
+    # Each sequence's page-table row: a page appears once per row.
+    for row in table:
+        live = row[row >= 0]
+        assert len(set(live.tolist())) == len(live)

@@ -8,6 +8,8 @@ import pytest
 from hisparse_jax import capacity as cap
 from hisparse_jax import layout
 from hisparse_jax import scheduler as sc
+from hisparse_jax.cli.args import CLIError
+from hisparse_jax.cli.capacity import add_capacity_parser
 
 M = 1 << 20
 
@@ -92,7 +94,7 @@ def test_max_sequences_and_log_line():
 def _cli(argv):
     parser = argparse.ArgumentParser(prog="hisparse")
     sub = parser.add_subparsers(dest="command", required=True)
-    cap.add_capacity_parser(sub)
+    add_capacity_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
@@ -105,7 +107,7 @@ def test_cli(capsys):
     _cli(["capacity", "--model", "llama3-70b", "--context", "128K", "--device-memory", "80GiB"])
     text = capsys.readouterr().out
     assert "max concurrent sequences" in text and "HiSparse KV cache:" in text
-    with pytest.raises(SystemExit, match="cannot parse size"):
+    with pytest.raises(CLIError, match="--device-memory lots: cannot parse size"):
         _cli(["capacity", "--device-memory", "lots"])
     with pytest.raises(SystemExit):
         _cli(["capacity", "--model", "nope"])
@@ -120,7 +122,7 @@ def test_cli_wired_into_hisparse_main(capsys):
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     if "capacity" not in sub.choices:
-        cap.add_capacity_parser(sub)
+        add_capacity_parser(sub)
     args = parser.parse_args(["capacity", "--context", "1M", "--device-memory", "80GiB",
                               "--offload", "--json"])
     assert args.context == 1 << 20

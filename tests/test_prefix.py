@@ -50,7 +50,7 @@ def test_prewarm_pinned_until_unpinned():
     assert ix.evict() == []
     ix.unpin("doc")
     assert sorted(ix.evict()) == [0, 1, 2, 3]
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="not prewarmed"):
         ix.unpin("doc")
     free = iter(range(100, 200))
     ix2 = PrefixIndex(PG, allocate=lambda n: [next(free) for _ in range(n)])

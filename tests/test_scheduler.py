@@ -105,9 +105,11 @@ def test_real_trace_small():
 def test_bench_cli_small(capsys):
     import argparse
     import json
+
+    from hisparse_jax.cli.bench_scheduler import add_scheduler_bench_parser
     parser = argparse.ArgumentParser(prog="hisparse")
     bsub = parser.add_subparsers(dest="bench", required=True)
-    sc.add_scheduler_bench_parser(bsub)
+    add_scheduler_bench_parser(bsub)
     args = parser.parse_args(["scheduler", "--context", "4096", "--steps", "24",
                               "--traces", "retrieval", "--multiples", "2",
                               "--max-prefetch", "8,32", "--json"])

@@ -1,0 +1,137 @@
+"""`hisparse` command line: demo, eval, bench, capacity.
+
+Every user error is one line on stderr, `hisparse <command>: error: ...`, with
+exit code 2 (`args.CLIError`, argparse's errors, the library's ValueErrors).
+`--debug` (anywhere after `hisparse`) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hisparse_jax.cli import commands
+from hisparse_jax.cli.args import (
+    CLIError,
+    Parser,
+    budget_tokens,
+    int_list,
+    nonnegative_int,
+    number,
+    positive_int,
+)
+
+# What a command may raise for bad input (the library checks every input and names
+# it). Anything else is a bug: one line too, exit code 1, --debug for the trace.
+USER_ERRORS = (CLIError, ValueError, OSError)
+
+
+def _add_rerank_flags(p):
+    p.add_argument("--tail-sample-pages", type=nonnegative_int, default=None, metavar="N",
+                   help="pages sampled to estimate the unselected mass (default: the "
+                        "preset's, 32; 0 = selection only)")
+    p.add_argument("--rerank-multiple", type=number(1.0), default=None, metavar="X",
+                   help="candidate pages per budget page, re-ranked by their int4 keys "
+                        "(default: the preset's, 1.25; 1 = no re-rank)")
+
+
+def build_parser() -> Parser:
+    from hisparse_jax.cli.bench_scheduler import add_scheduler_bench_parser
+    from hisparse_jax.cli.capacity import add_capacity_parser
+    from hisparse_jax.config import PRESETS
+    p = Parser(prog="hisparse", description="HiSparse KV cache tools")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    def debug_flag(parser):  # also after the command; SUPPRESS keeps the top-level value
+        parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                            help="show tracebacks of errors")
+        return parser
+
+    d = debug_flag(sub.add_parser("demo", help="synthetic long context: HiSparse vs dense"))
+    d.add_argument("--context", type=positive_int, default=131072)
+    d.set_defaults(func=commands.cmd_demo)
+
+    e = debug_flag(sub.add_parser("eval", help="quality on attention captured from your model"))
+    e.add_argument("--qkv", required=True, help="npz with q [N,Hq,D], k [S,Hkv,D], v [S,Hkv,D]")
+    e.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    e.add_argument("--budget-tokens", type=budget_tokens, default=None,
+                   help="cold tokens attended per KV head (a multiple of the page size), "
+                        "or 'all'")
+    _add_rerank_flags(e)
+    e.add_argument("--heads", type=int_list(0), default=None, metavar="I,J,...",
+                   help="report over these query heads only (e.g. your retrieval heads)")
+    e.add_argument("--oracle-budgets", type=int_list(1), default=None, metavar="N,M,...",
+                   help="also report the oracle's recall with N, M, ... cold tokens per "
+                        "KV head (multiples of the page size): the budget this attention "
+                        "needs, whatever the selection")
+    e.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
+                   help="kernels: auto = Pallas on a GPU when they take the shapes, else XLA")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=commands.cmd_eval)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
+    a = debug_flag(bsub.add_parser("attention", help="sparse vs dense decode attention (XLA)"))
+    a.add_argument("--context", type=positive_int, default=131072)
+    a.add_argument("--batch", type=positive_int, default=1)
+    a.add_argument("--repeats", type=positive_int, default=7)
+    a.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    _add_rerank_flags(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=commands.cmd_bench_attention)
+    kn = debug_flag(bsub.add_parser("kernels", help="Pallas kernels vs XLA references: time, "
+                                    "bytes/s, error (docs/kernels.md)"))
+    kn.add_argument("--case", default="ci",
+                    help="ci, decode_{32k,128k,1m}_b{1,8}, a comma-separated list, or all")
+    kn.add_argument("--impl", default="pallas,xla", help="pallas, xla or pallas,xla")
+    kn.add_argument("--ops", default="lookup,sparse_decode,step,dense",
+                    help="subset of lookup,sparse_decode,step,dense")
+    kn.add_argument("--iters", type=positive_int, default=None,
+                    help="timed calls per row (median)")
+    kn.add_argument("--warmup", type=nonnegative_int, default=None,
+                    help="untimed calls after compile")
+    kn.add_argument("--json", metavar="FILE", default=None,
+                    help="write JSON lines to FILE ('-' = stdout, no table)")
+    kn.set_defaults(func=commands.cmd_bench_kernels)
+
+    debug_flag(add_scheduler_bench_parser(bsub))
+    debug_flag(add_capacity_parser(sub))
+    return p
+
+
+def _prog(args) -> str:
+    return " ".join(["hisparse", args.command] + ([args.bench] if getattr(args, "bench", None)
+                                                  else []))
+
+
+def fail(prog: str, message: str, code: int = 2):
+    """One line on stderr, then exit."""
+    message = " ".join(str(message).split())  # one line, whatever the message held
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named by the command they were given to, not by the top level
+        fail(_prog(args), f"unrecognized arguments: {' '.join(unknown)}")
+    args.command_line = " ".join(["hisparse", *argv])
+    try:
+        args.func(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        fail(_prog(args), e)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # a bug, not bad input: still no traceback without --debug
+        if args.debug:
+            raise
+        fail(_prog(args), f"internal error: {type(e).__name__}: {e} (rerun with --debug for "
+                          "the traceback, and please report it)", code=1)
+
+
+if __name__ == "__main__":
+    main()
