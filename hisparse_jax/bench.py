@@ -16,6 +16,7 @@ import numpy as np
 from hisparse_jax.attention import decode_attention, dense_decode_attention
 from hisparse_jax.cache import HiSparseCache
 from hisparse_jax.config import preset
+from hisparse_jax.validate import check_int
 
 
 def _time_interleaved(fns, repeats):
@@ -39,6 +40,8 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
     bf16 attention over the same K/V, calls interleaved. Random K/V: speed does not
     depend on content (selection always reads every digest and `budget` pages)."""
     log = log or (lambda *_: None)
+    context = check_int("context", context, minimum=1)
+    check_int("repeats", repeats, minimum=1)
     base = preset(preset_name)
     pg = base.page_size
     ctx = -(-context // pg) * pg

@@ -251,6 +251,11 @@ def evaluate(cfg: HiSparseConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray, *
     q = np.asarray(q, np.float32)
     k, v = (x if x.dtype in (np.float16, np.float32) else x.astype(np.float32)
             for x in (np.asarray(k), np.asarray(v)))
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [N, Hq, D] and k, v [S, Hkv, D] with the same D, got "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"empty input: q {q.shape}, k {k.shape}")
     n, hq, _ = q.shape
     s, hkv, _ = k.shape
     if hq % hkv:
