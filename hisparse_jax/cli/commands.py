@@ -22,8 +22,10 @@ def _log(msg):
 
 def load_qkv(path: str):
     """q [N, Hq, D], k/v [S, Hkv, D] from an npz; float16 or float32."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise CLIError(f"--qkv {path}: cannot read: no such file")
+    if not os.path.isfile(path):
+        raise CLIError(f"--qkv {path}: cannot read: not a regular file")
     if not zipfile.is_zipfile(path):  # np.load would talk of pickles
         raise CLIError(f"--qkv {path}: not an .npz file (a numpy zip archive, np.savez)")
     try:
