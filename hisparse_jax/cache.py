@@ -144,6 +144,14 @@ class HiSparseCache:
     def _check_prefill(self, seq, k, v, tokens):
         """Everything prefill checks, before any change: (seq, k, v, tokens)."""
         seq = self._check_seq(seq)
+        k, v, tokens = self._check_prompt(k, v, tokens)
+        if self.seq_lens[seq]:
+            raise ValueError(f"sequence {seq} already holds {self.seq_lens[seq]} tokens; "
+                             "prefill fills an empty sequence (use append for more)")
+        return seq, k, v, tokens
+
+    def _check_prompt(self, k, v, tokens):
+        """k, v [T, Hkv, D] and the T token ids (or None), checked."""
         c = self.cfg
         k = self._as_array("k", k)
         if k.ndim != 3:
@@ -153,14 +161,11 @@ class HiSparseCache:
         v = self._check_kv("v", v, (t, c.num_kv_heads, c.head_dim))
         if t == 0:
             raise ValueError("prefill needs at least one token")
-        if self.seq_lens[seq]:
-            raise ValueError(f"sequence {seq} already holds {self.seq_lens[seq]} tokens; "
-                             "prefill fills an empty sequence (use append for more)")
         if tokens is not None:
             tokens = check_token_ids("tokens", tokens, t)
         if t > c.max_context:
             raise ValueError(f"context {t} exceeds max_context={c.max_context}")
-        return seq, jnp.asarray(k), jnp.asarray(v), tokens
+        return jnp.asarray(k), jnp.asarray(v), tokens
 
     def _index(self, seq, tokens):
         """Register the sequence's full pages in the prefix index (the index takes a
@@ -204,20 +209,20 @@ class HiSparseCache:
             raise ValueError(f"context_id must be a non-empty str, got {context_id!r}")
         if context_id in self.prefix.contexts:
             raise ValueError(f"context {context_id!r} is already prewarmed")
-        if seq is None:
-            empty = np.flatnonzero(self.seq_lens == 0)
-            if not empty.size:
-                raise CacheFullError("prewarm needs an empty sequence slot")
-            seq = int(empty[0])
         if tokens is None:
             raise ValueError("prewarm needs the document's token ids")
-        seq, k, v, tokens = self._check_prefill(seq, k, v, tokens)
+        k, v, tokens = self._check_prompt(k, v, tokens)
         if len(tokens) < self.cfg.page_size:
             raise ValueError(f"prewarm needs at least one full page ({self.cfg.page_size} "
                              f"tokens), got {len(tokens)}")
         if not bool(jnp.all(jnp.isfinite(k)) & jnp.all(jnp.isfinite(v))):
             raise ValueError("prewarm needs finite k and v: a pinned document with NaN or "
                              "Inf would poison every sequence that reuses it")
+        if seq is None:
+            empty = np.flatnonzero(self.seq_lens == 0)
+            if not empty.size:
+                raise CacheFullError("prewarm needs an empty sequence slot")
+            seq = int(empty[0])
         self.prefill(seq, k, v, tokens)
         try:
             with self.prefix.writer():

@@ -83,8 +83,10 @@ class CacheMachine(RuleBasedStateMachine):
         tok = data.draw(hs.integers(0, 4999))
         k = np.broadcast_to(TABLE_K[tok], (CFG.max_seqs, *TABLE_K.shape[1:])).copy()
         v = np.broadcast_to(TABLE_V[tok], (CFG.max_seqs, *TABLE_V.shape[1:])).copy()
-        k[~active] = np.nan  # rows of inactive slots are ignored, whatever they hold
         use_default = data.draw(hs.booleans())
+        if use_default:  # every live sequence
+            active = self.twin.seq_lens > 0
+        k[~active] = np.nan  # rows of inactive slots are ignored, whatever they hold
         self._both(lambda c: c.append(k, v, None if use_default else active))
 
     @rule(seed=hs.integers(0, 2**16))
