@@ -97,6 +97,11 @@ def build_parser() -> Parser:
 
     debug_flag(add_scheduler_bench_parser(bsub))
     debug_flag(add_capacity_parser(sub))
+    from hisparse_jax.models.cli import add_model_parsers
+    n = len(sub.choices)
+    add_model_parsers(sub)
+    for name in list(sub.choices)[n:]:
+        debug_flag(sub.choices[name])
     return p
 
 

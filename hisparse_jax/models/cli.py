@@ -1,0 +1,121 @@
+"""`hisparse fetch | generate | export`: the model commands. `add_model_parsers(sub)`
+adds them to the `hisparse` parser's subparsers (each sets `func`).
+
+Errors are `CLIError`s naming the flag and value: `hisparse_jax.cli.main` prints
+them as one line, `hisparse <cmd>: error: ...`, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hisparse_jax.cli.args import CLIError, budget_tokens, nonnegative_int, number, positive_int
+
+
+def _fail(cmd: str, message):
+    del cmd  # main names the command
+    raise CLIError(str(message))
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main_fetch(args):
+    from hisparse_jax.models.registry import fetch
+    try:
+        print(fetch(args.name))
+    except (ValueError, OSError) as e:
+        _fail("fetch", e)
+
+
+def main_generate(args):
+    from hisparse_jax.config import FULL_BUDGET
+    from hisparse_jax.models.engine import Engine
+    from hisparse_jax.models.generate import generate, prompt_ids
+    from hisparse_jax.models.registry import load
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        _fail("generate", "give exactly one of --prompt TEXT and --prompt-file F")
+    text = args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            _fail("generate", f"--prompt-file {args.prompt_file}: {e.strerror or e}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        _fail("generate", f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.budget_tokens != FULL_BUDGET and args.budget_tokens % 16:
+        _fail("generate", f"--budget-tokens {args.budget_tokens}: must be a multiple of 16 "
+                          "(the page size) or 'all'")
+    try:
+        model, tok = load(args.model)
+        ids = prompt_ids(tok, text, args.chat)
+        limit = args.max_context or model.cfg.max_position
+        if len(ids) >= limit:
+            _fail("generate", f"--prompt: {len(ids)} tokens do not fit the max context of "
+                              f"{limit} tokens")
+        context = args.max_context or min(limit, -(-(len(ids) + args.max_tokens) // 256) * 256)
+        engine = Engine(model, max_context=context, attention=args.attention,
+                        budget_tokens=args.budget_tokens)
+        _log(f"compiling ({args.attention} attention, context {context}) ...")
+        engine.warmup(len(ids))  # so that the summary's speeds exclude compiling
+        gen = generate(model, tok, ids, max_tokens=args.max_tokens,
+                       temperature=args.temperature, top_p=args.top_p or 1.0,
+                       top_k=args.top_k, seed=args.seed, stop=args.stop or (), engine=engine)
+        for piece in gen:
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+    except (ValueError, OSError) as e:
+        _fail("generate", e)
+    sys.stdout.write("\n")
+    _log(gen.summary.line())
+
+
+def main_export(args):
+    from hisparse_jax.models.export import export_hf
+    from hisparse_jax.models.registry import load
+    try:
+        model, tok = load(args.model)
+        print(export_hf(model, args.dir, tok))
+    except (ValueError, OSError) as e:
+        _fail("export", e)
+
+
+def add_model_parsers(subparsers):
+    """Adds `fetch`, `generate` and `export` to an argparse subparsers object."""
+    from hisparse_jax.models.registry import MODELS
+
+    f = subparsers.add_parser("fetch", help="download and verify a named model")
+    f.add_argument("name", choices=sorted(MODELS))
+    f.set_defaults(func=main_fetch)
+
+    g = subparsers.add_parser("generate", help="generate text with a model through HiSparse")
+    g.add_argument("--model", default="smollm2-135m",
+                   help=f"a name ({', '.join(sorted(MODELS))}), a .gguf file or an HF folder")
+    g.add_argument("--prompt", default=None, help="prompt text")
+    g.add_argument("--prompt-file", default=None, metavar="F", help="read the prompt from F")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    g.add_argument("--max-tokens", type=positive_int, default=256, metavar="N")
+    g.add_argument("--temperature", type=number(0.0), default=0.0, metavar="T",
+                   help="0 = greedy (default)")
+    g.add_argument("--top-p", type=number(0.0, above=True), default=None, metavar="P")
+    g.add_argument("--top-k", type=nonnegative_int, default=0, metavar="K")
+    g.add_argument("--seed", type=nonnegative_int, default=0, metavar="S")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when TEXT is generated (repeatable)")
+    g.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
+    g.add_argument("--budget-tokens", type=budget_tokens, default=2048, metavar="N",
+                   help="cold tokens attended per KV head (multiple of 16), or 'all'")
+    g.add_argument("--max-context", type=positive_int, default=None, metavar="N",
+                   help="cache size in tokens (default: prompt + max tokens)")
+    g.set_defaults(func=main_generate)
+
+    e = subparsers.add_parser("export", help="write a model as a bf16 HF checkpoint")
+    e.add_argument("--model", required=True)
+    e.add_argument("--format", choices=("hf",), default="hf")
+    e.add_argument("dir", help="output folder (must not exist or be empty)")
+    e.set_defaults(func=main_export)
+    return subparsers

@@ -1,0 +1,325 @@
+"""One Flax NNX decoder for the Llama family (Llama 1-3, SmolLM, Qwen2 with QKV bias).
+
+The math is HF's `LlamaForCausalLM`: RMSNorm, rotate-half RoPE (dimension i pairs
+with i + head_dim/2), grouped-query attention (query head i reads KV head
+i // group), SwiGLU, tied or untied output. Weights are bf16, stored [in, out]
+so that activations multiply them as `x @ w`; every layer's weights are stacked
+on a leading layer axis, and `Llama.layers` runs them with one `lax.scan`, so a
+30-layer model compiles one layer's program, not 30. Attention is a callback
+(`Attend`): the same model runs over a HiSparse cache or a dense one
+(`engine.py`). Activations are float32; matmuls take bf16 inputs and accumulate
+in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROPE_KINDS = ("linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for positions past the trained length (HF's
+    `rope_scaling`): "linear" divides every frequency by `factor`; "llama3"
+    divides only the low frequencies (wavelength above original/low_freq_factor)
+    and blends the middle band; "yarn" blends interpolation and extrapolation per
+    dimension between beta_fast and beta_slow rotations and scales the logits by
+    `attention_factor` (default 0.1 ln(factor) + 1)."""
+
+    kind: str
+    factor: float
+    original_max_position: int = 8192
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"RopeScaling.kind={self.kind!r}: must be one of {ROPE_KINDS}")
+        if not (isinstance(self.factor, (int, float)) and self.factor >= 1):
+            raise ValueError(f"RopeScaling.factor={self.factor!r}: must be a number >= 1")
+        if not (isinstance(self.original_max_position, int) and self.original_max_position >= 1):
+            raise ValueError(f"RopeScaling.original_max_position={self.original_max_position!r}: "
+                             "must be a positive int")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError("RopeScaling: llama3 needs high_freq_factor > low_freq_factor > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position: int = 8192  # trained context length
+    tie_embeddings: bool = True
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position"):
+            v = getattr(self, f)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"LlamaConfig.{f}={v!r}: must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim}: must be even (RoPE pairs)")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1):
+            raise ValueError(f"LlamaConfig.rope_theta={self.rope_theta!r}: must be a number > 1")
+        if not (isinstance(self.rms_norm_eps, float) and self.rms_norm_eps > 0):
+            raise ValueError(f"LlamaConfig.rms_norm_eps={self.rms_norm_eps!r}: must be a float > 0")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError("LlamaConfig.rope_scaling: must be a RopeScaling or None")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> LlamaConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------- RoPE
+
+def rope_frequencies(cfg: LlamaConfig) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [head_dim/2] float32, logit scale of cos/sin), as HF's
+    `ROPE_INIT_FUNCTIONS` compute them (float64 here, then float32)."""
+    d, base, s = cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling
+    inv = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    scale = 1.0
+    if s is None:
+        pass
+    elif s.kind == "linear":
+        inv = inv / s.factor
+    elif s.kind == "llama3":
+        low_wavelen = s.original_max_position / s.low_freq_factor
+        high_wavelen = s.original_max_position / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, blended, scaled)
+    else:  # yarn
+        def correction_dim(rotations):
+            return d * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (
+                2 * math.log(base))
+        low = max(math.floor(correction_dim(s.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(s.beta_slow)), d - 1)
+        ramp = np.clip((np.arange(d // 2) - low) / max(high - low, 1e-3), 0, 1)
+        extrapolate = 1 - ramp  # share of the original frequency, per dimension
+        inv = inv / s.factor * (1 - extrapolate) + inv * extrapolate
+        scale = (s.attention_factor if s.attention_factor is not None
+                 else 0.1 * math.log(s.factor) + 1.0)
+    return inv.astype(np.float32), scale
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float):
+    """Rotate-half RoPE: x [..., H, D] at positions [...] (float32 math)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    cos = (jnp.cos(angles) * scale)[..., None, :]
+    sin = (jnp.sin(angles) * scale)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------- layers
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(
+        jnp.float32)
+
+
+def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """x [..., in] @ w [in, out] (w [out, in] if transposed) in bf16, accumulated in
+    float32. A single row is padded to two: XLA:CPU's bf16 matrix-vector path is
+    ~10x slower than its matrix-matrix one (211 vs 22 ms for 80M weights here)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    n = x2.shape[0]
+    if n == 1:
+        x2 = jnp.concatenate([x2, x2])
+    y = jax.lax.dot_general(x2, w, (((1,), (1 if transposed else 0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y[:n].reshape(*lead, -1)
+
+
+# attend(layer_cache, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D]) -> (out [..., Hq, D],
+# layer_cache): what a layer's attention does with its cache (engine.py).
+Attend = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_WEIGHTS = ("bq", "bk", "bv")
+
+
+def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's weight shapes (the model stacks them on a leading layer axis)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+              "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    if cfg.qkv_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    return shapes
+
+
+def weight_shapes(cfg: LlamaConfig) -> dict[str, Any]:
+    """The whole model's weight tree (shapes): what loaders produce."""
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "norm": (cfg.hidden_size,),
+              "layers": {k: (cfg.num_layers, *s) for k, s in layer_shapes(cfg).items()}}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes
+
+
+class Block(nnx.Module):
+    """Decoder layers; each Param has a leading layer axis (one layer's slice
+    inside `Llama.layers`' scan)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Any]):
+        self.cfg = cfg
+        for name in layer_shapes(cfg):
+            setattr(self, name, nnx.Param(jnp.asarray(weights[name], jnp.bfloat16)))
+
+    def __call__(self, x, positions, rope, cache, attend: Attend):
+        cfg = self.cfg
+        inv_freq, scale = rope
+        h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+
+        def proj(w, b, heads):
+            y = matmul(h, w[...])
+            if b is not None:
+                y = y + b[...].astype(jnp.float32)
+            return y.reshape(*x.shape[:-1], heads, cfg.head_dim)
+
+        bias = (self.bq, self.bk, self.bv) if cfg.qkv_bias else (None,) * 3
+        q = apply_rope(proj(self.wq, bias[0], cfg.num_heads), positions, inv_freq, scale)
+        k = apply_rope(proj(self.wk, bias[1], cfg.num_kv_heads), positions, inv_freq, scale)
+        v = proj(self.wv, bias[2], cfg.num_kv_heads)
+        out, cache = attend(cache, q, k, v)
+        x = x + matmul(out.reshape(*x.shape[:-1], -1), self.wo[...])
+        h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+        gate = jax.nn.silu(matmul(h, self.w_gate[...]))
+        x = x + matmul(gate * matmul(h, self.w_up[...]), self.w_down[...])
+        return x, cache
+
+
+class Llama(nnx.Module):
+    """The decoder. `weights` is the tree of `weight_shapes(cfg)` (numpy or jax
+    arrays, any float dtype; stored bf16)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Any]):
+        check_weights(cfg, weights)
+        self.cfg = cfg
+        self.embed = nnx.Param(jnp.asarray(weights["embed"], jnp.bfloat16))
+        self.norm = nnx.Param(jnp.asarray(weights["norm"], jnp.bfloat16))
+        self.lm_head = (None if cfg.tie_embeddings
+                        else nnx.Param(jnp.asarray(weights["lm_head"], jnp.bfloat16)))
+        self.blocks = Block(cfg, weights["layers"])
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.embed[...][tokens].astype(jnp.float32)
+
+    def layers(self, x, positions, caches, attend: Attend):
+        """All layers: x [..., d] at positions [...]; caches: a pytree whose leaves
+        have a leading layer axis (None = no cache) -> (x, caches)."""
+        graphdef, weights = nnx.split(self.blocks)
+        inv_freq, scale = rope_frequencies(self.cfg)  # constants of the program
+        rope = (jnp.asarray(inv_freq), scale)
+
+        def body(x, xs):
+            layer_weights, cache = xs
+            return nnx.merge(graphdef, layer_weights)(x, positions, rope, cache, attend)
+
+        return jax.lax.scan(body, x, (weights, caches))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and output projection: x [..., d] -> [..., V] float32."""
+        h = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
+        if self.lm_head is None:
+            return matmul(h, self.embed[...], transposed=True)
+        return matmul(h, self.lm_head[...])
+
+    def weights(self) -> dict[str, Any]:
+        """The weight tree (jax arrays, bf16) in `weight_shapes` layout."""
+        out = {"embed": self.embed[...], "norm": self.norm[...],
+               "layers": {k: getattr(self.blocks, k)[...] for k in layer_shapes(self.cfg)}}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head[...]
+        return out
+
+
+def check_weights(cfg: LlamaConfig, weights: dict[str, Any]):
+    """Every tensor of `weight_shapes(cfg)` present with its shape (ValueError names
+    the first that is not)."""
+    want = weight_shapes(cfg)
+    for name, shape in want.items():
+        if name == "layers":
+            for k, s in shape.items():
+                got = weights.get("layers", {}).get(k)
+                if got is None or tuple(got.shape) != s:
+                    raise ValueError(f"layer weight {k}: expected {s}, got "
+                                     f"{None if got is None else tuple(got.shape)}")
+        elif name not in weights or tuple(weights[name].shape) != shape:
+            got = weights.get(name)
+            raise ValueError(f"weight {name}: expected {shape}, got "
+                             f"{None if got is None else tuple(got.shape)}")
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, Any]:
+    """Seeded random bf16 weights (norms 1, the rest ~normal(0, std)), made on the
+    device tensor by tensor (`_random_fill`): no float32 or host copy of the model
+    exists, and Llama-3-8B's shapes (16 GB in bf16) take seconds, not minutes."""
+    leaf = lambda s: isinstance(s, tuple)
+    paths, tree = jax.tree_util.tree_flatten_with_path(weight_shapes(cfg), is_leaf=leaf)
+    out = []
+    for i, (path, shape) in enumerate(paths):
+        if "norm" in jax.tree_util.keystr(path):
+            out.append(jnp.ones(shape, jnp.bfloat16))
+        else:
+            out.append(_random_fill(jax.random.fold_in(jax.random.key(seed), i), shape, std))
+    return jax.tree.unflatten(tree, out)
+
+
+_TABLE = 1 << 20
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_fill(key, shape, std):
+    """A seeded normal(0, std) table of 2^20 bf16 values, read at a hash of each
+    element's index: one gather per element instead of a random number (drawing
+    525M normals for Llama-3-8B's embedding took 9-16 s here, this 1.4 s)."""
+    if math.prod(shape) >= 2**32:
+        raise ValueError(f"random weights of shape {shape}: over 2^32 elements")
+    table = (jax.random.normal(key, (_TABLE,), jnp.float32) * std).astype(jnp.bfloat16)
+    flat, stride = jnp.zeros(shape, jnp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        flat = flat + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride *= shape[axis]
+    h = flat * jnp.uint32(0x9E3779B1)  # murmur-style mixing
+    h = (h ^ (h >> 15)) * jnp.uint32(0x85EBCA77)
+    return table[(h ^ (h >> 13)) & (_TABLE - 1)]

@@ -1,0 +1,199 @@
+"""The model's own tokenizer: HF `tokenizers` BPE, a jinja2 chat template, and
+incremental detokenization for streaming.
+
+From a GGUF (`from_gguf_fields`): the byte-level BPE is rebuilt from the file's
+vocabulary and merges. With pre-tokenizer `Sequence([Digits(individual_digits),
+ByteLevel(regex)])` (the GGUF's `pre = smollm`) and the control tokens (type 3)
+as special tokens, this gives exactly llama.cpp's ids (checked against it in
+tests/test_models_llamacpp.py). From an HF folder: tokenizer.json and
+tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+def _pre_tokenizer(pre: str):
+    """The GGUF `tokenizer.ggml.pre` names we rebuild exactly."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        byte_level])
+    if pre in ("gpt2", "default"):
+        return byte_level
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt2)")
+
+
+class Tokenizer:
+    """ids <-> text. `encode` parses special tokens in the text (as llama.cpp's
+    tokenize(special=True)) and adds BOS only if the model asks for it."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 add_bos: bool = False, eos_ids: tuple[int, ...] = ()):
+        self.hf = hf
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos = add_bos
+        self.bos_id = hf.token_to_id(bos_token) if bos_token else None
+        # Generation stops at EOS and at any end-of-turn/-text marker the vocabulary
+        # holds as a special token (ChatML's <|im_end|>, Llama 3's <|eot_id|>, ...).
+        special = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        ends = [hf.token_to_id(eos_token) if eos_token else None]
+        ends += [special[t] for t in END_TOKENS if t in special]
+        self.eos_ids = tuple(dict.fromkeys(i for i in (*eos_ids, *ends) if i is not None))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The chat template rendered as transformers does (sandboxed jinja2,
+        trim_blocks, lstrip_blocks)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Prompt ids of a chat (the template writes any BOS itself)."""
+        return self.encode(self.render_chat(messages), add_bos=False)
+
+    def stream(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_gguf_fields(cls, get) -> Tokenizer:
+        """From GGUF metadata; get(key, default) reads one field."""
+        kind = get("tokenizer.ggml.model", None)
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE "
+                             "'gpt2' only)")
+        tokens = get("tokenizer.ggml.tokens", None)
+        merges = get("tokenizer.ggml.merges", None)
+        if not tokens or merges is None:
+            raise ValueError("GGUF tokenizer lacks tokenizer.ggml.tokens or .merges")
+        types = get("tokenizer.ggml.token_type", None) or [TOKEN_NORMAL] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+        hf = tokenizers.Tokenizer(bpe)
+        hf.pre_tokenizer = _pre_tokenizer(get("tokenizer.ggml.pre", "gpt2"))
+        hf.decoder = decoders.ByteLevel()
+        added = [tokenizers.AddedToken(t, special=ty == TOKEN_CONTROL, normalized=False)
+                 for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        hf.add_special_tokens([a for a in added if a.special])
+        hf.add_tokens([a for a in added if not a.special])
+
+        def token(key):
+            i = get(key, None)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        return cls(hf, chat_template=get("tokenizer.chat_template", None),
+                   bos_token=token("tokenizer.ggml.bos_token_id"),
+                   eos_token=token("tokenizer.ggml.eos_token_id"),
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_hf_dir(cls, path: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """tokenizer.json + tokenizer_config.json (chat template, BOS/EOS)."""
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise ValueError(f"{path}: no tokenizer.json")
+        try:
+            hf = tokenizers.Tokenizer.from_file(tj)
+        except Exception as e:  # noqa: BLE001 (the Rust tokenizer's error: one line)
+            raise ValueError(f"{tj}: not a readable tokenizer ({e})") from None
+        conf = {}
+        tc = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(tc):
+            with open(tc, encoding="utf-8") as f:
+                conf = json.load(f)
+        template = conf.get("chat_template")
+        if isinstance(template, list):  # [{name, template}]: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            template[0]["template"] if template else None)
+
+        def name(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        return cls(hf, chat_template=template, bos_token=name(conf.get("bos_token")),
+                   eos_token=name(conf.get("eos_token")),
+                   add_bos=bool(conf.get("add_bos_token", False)), eos_ids=eos_ids)
+
+    def save_hf(self, path: str, model_max_length: int | None = None):
+        """tokenizer.json and tokenizer_config.json (what `from_hf_dir` and
+        transformers read)."""
+        self.hf.save(os.path.join(path, "tokenizer.json"))
+        added = {str(i): {"content": t.content, "special": t.special, "normalized": False,
+                          "lstrip": False, "rstrip": False, "single_word": False}
+                 for i, t in self.hf.get_added_tokens_decoder().items()}
+        conf = {"tokenizer_class": "GPT2Tokenizer", "add_bos_token": self.add_bos,
+                "add_eos_token": False, "bos_token": self.bos_token,
+                "eos_token": self.eos_token, "clean_up_tokenization_spaces": False,
+                "added_tokens_decoder": added}
+        if model_max_length:
+            conf["model_max_length"] = model_max_length
+        if self.chat_template:
+            conf["chat_template"] = self.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(conf, f, indent=2, ensure_ascii=False)
+
+
+class StreamDecoder:
+    """Text of a growing id sequence, piece by piece. Bytes that do not yet make a
+    whole UTF-8 character (a byte-level token can end mid-character) are held
+    until they do; the text decoded so far is never re-emitted (vLLM's scheme:
+    decode a short window, emit what it adds)."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0    # ids already emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD)."""
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]

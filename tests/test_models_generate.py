@@ -1,0 +1,157 @@
+"""generate(), batched slots, the CLI and the HF export round trip, on the real
+SmolLM2-135M-Instruct (through `registry.load`, i.e. fetch)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from models_fixtures import smollm2
+
+from hisparse_jax.cli import main
+from hisparse_jax.models import registry
+from hisparse_jax.models.engine import Engine
+from hisparse_jax.models.generate import generate
+from hisparse_jax.models.sampling import SamplingParams
+from tests.helpers import cli_error
+
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return smollm2()
+
+
+@pytest.fixture(scope="module")
+def hisparse(model):
+    """One engine for the short-prompt tests (one compile)."""
+    return Engine(model[0], max_context=256, attention="hisparse")
+
+
+def test_chat_answer_streams_and_stops_at_eos(model, hisparse):
+    m, tok = model
+    gen = generate(m, tok, FRANCE, chat=True, max_tokens=40, engine=hisparse)
+    pieces = list(gen)
+    assert "Paris" in gen.text
+    assert gen.text == "".join(p.text for p in pieces) and "<|im_end|>" not in gen.text
+    s = gen.summary
+    assert s.finish == "eos" and gen.ids[-1] == 2 and s.tokens == len(gen.ids) < 40
+    assert s.prompt_tokens == len(tok.chat_ids([{"role": "user", "content": FRANCE}]))
+    line = s.line()
+    assert "hisparse attention" in line and "tok/s" in line
+    assert "HiSparse KV cache:" in line and "x capacity vs bf16" in line and "30 layers" in line
+
+
+def test_max_tokens_stop_strings_and_ignore_eos(model, hisparse):
+    m, tok = model
+    gen = generate(m, tok, "The capital of France is", max_tokens=5, engine=hisparse).run()
+    assert gen.summary.finish == "length" and len(gen.ids) == 5
+    assert gen.text.startswith(" Paris")
+    # a stop string inside a token: the text before it is emitted, nothing after
+    gen = generate(m, tok, "The capital of France is", max_tokens=20, stop=["aris"],
+                   engine=hisparse).run()
+    assert gen.text == " P" and gen.summary.finish == "stop"
+    gen = generate(m, tok, FRANCE, chat=True, max_tokens=24, ignore_eos=True,
+                   engine=hisparse).run()
+    assert len(gen.ids) == 24 and 2 in gen.ids  # ran past <|im_end|>
+
+
+def test_sampling_is_seeded(model, hisparse):
+    m, tok = model
+    run = lambda seed: generate(m, tok, "Once upon a time", max_tokens=6,
+                                temperature=1.0, top_p=0.9, seed=seed, engine=hisparse).run().ids
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_prompt_too_long(model):
+    m, tok = model
+    with pytest.raises(ValueError, match="prompt of 9000 tokens does not fit the max context of "
+                                         "8192 tokens"):
+        generate(m, tok, [5] * 9000)
+    with pytest.raises(ValueError, match="prompt of 300 tokens does not fit max_context=256"):
+        generate(m, tok, [5] * 300, engine=Engine(m, max_context=256, attention="dense"))
+
+
+def _passkey(n_filler, depth, key):
+    """models.md's passkey prompt (raw completion, no template)."""
+    filler = ("The grass is green. The sky is blue. The sun is yellow. "
+              "Here we go. There and back again.")
+    intro = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+             "memorize it. I will quiz you about the important information there.")
+    at = int(n_filler * depth)
+    return "\n".join(
+        [intro] + [filler] * at + [f"The pass key is {key}. Remember it. {key} is the pass key."]
+        + [filler] * (n_filler - at) + ["What is the pass key? The pass key is"])
+
+
+def test_passkey_through_sparse_selection(model):
+    """A ~1K-token passkey prompt with the needle in the cold tier (int4, pages
+    chosen by selection) and a budget of 4 of its ~27 cold pages: HiSparse still
+    retrieves it."""
+    from hisparse_jax.state import num_cold_pages
+    m, tok = model
+    text = _passkey(36, 0.3, 68294)
+    ids = tok.encode(text)
+    needle = len(tok.encode(text[:text.index("The pass key is")]))
+    e = Engine(m, max_context=1024, attention="hisparse", budget_tokens=64)
+    cfg = e.cache_cfg
+    assert 900 < len(ids) < 1010 and cfg.budget_pages == 4
+    assert int(num_cold_pages(cfg, len(ids))) > 25
+    assert cfg.sink_tokens < needle < len(ids) - cfg.hot_tokens - cfg.warm_tokens - 16  # cold
+    gen = generate(m, tok, ids, max_tokens=6, engine=e).run()
+    assert "68294" in gen.text, gen.text
+
+
+def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(registry, "load", lambda name, **kw: model)  # no second dequantize
+    main(["generate", "--prompt", FRANCE, "--chat", "--max-tokens", "16",
+              "--attention", "dense"])
+    out, err = capsys.readouterr()
+    assert "Paris" in out
+    assert "dense attention" in err.splitlines()[-1] and "tok/s" in err
+    main(["fetch", "smollm2-135m"])
+    assert capsys.readouterr().out.strip() == str(registry.model_path("smollm2-135m"))
+    for argv, msg in [(["generate", "--prompt", "a", "--prompt-file", "f"], "give exactly one of"),
+                      (["generate", "--prompt-file", str(tmp_path / "none.txt")],
+                       "--prompt-file .*none.txt: No such file"),
+                      (["generate", "--prompt", "a", "--budget-tokens", "100"],
+                       "--budget-tokens 100: must be a multiple of 16")]:
+        assert re.search(f"^hisparse generate: error: {msg}", cli_error(capsys, argv))
+    main(["export", "--model", "smollm2-135m", "--format", "hf", str(tmp_path / "hf")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
+    assert re.search("^hisparse export: error: .*not an empty folder",
+                     cli_error(capsys, ["export", "--model", "smollm2-135m",
+                                        str(tmp_path / "hf")]))
+
+
+def test_export_round_trip_is_bit_identical(model, tmp_path):
+    """export_hf -> our HF loader: the same config, tokenizer and logits, bit for bit."""
+    from hisparse_jax.models.export import export_hf
+    from hisparse_jax.models.hf_loader import load_hf
+    from hisparse_jax.models.llama import Llama
+    m, tok = model
+    cfg, w, tok2 = load_hf(export_hf(m, str(tmp_path / "hf"), tok))
+    assert cfg == m.cfg
+    again = Llama(cfg, w)
+    ids = tok.chat_ids([{"role": "user", "content": FRANCE}])
+    e1 = Engine(m, max_context=256, attention="dense")  # the CLI test's programs
+    e2 = Engine(again, max_context=256, attention="dense")
+    t1, t2 = e1.prefill(0, ids), e2.prefill(0, ids)
+    np.testing.assert_array_equal(np.asarray(e1.logits), np.asarray(e2.logits))
+    for _ in range(3):
+        np.testing.assert_array_equal(e1.decode_step(), e2.decode_step())
+        np.testing.assert_array_equal(np.asarray(e1.logits), np.asarray(e2.logits))
+    assert t1 == t2
+    assert tok2.chat_ids([{"role": "user", "content": FRANCE}]) == ids
+    assert tok2.eos_ids == tok.eos_ids
+
+
+def test_sampling_params_through_engine(model, hisparse):
+    _, tok = model
+    ids = tok.encode("Once upon a time")
+    greedy = hisparse.prefill(0, ids)
+    assert hisparse.prefill(0, ids, SamplingParams(temperature=0.8, top_k=1, seed=5)) == greedy
+    hisparse.release(0)

