@@ -27,13 +27,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.attention import attend_cold_slots, pool_pages, remember, select, take_or_none
 from hisparse_jax.cache import HiSparseCache, log
+from hisparse_jax.compat import compute_on
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.validate import check_int, check_working_set
 

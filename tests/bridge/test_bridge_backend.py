@@ -1,0 +1,229 @@
+"""The backend against vLLM's real classes, outside an engine: the builder on a real
+CommonAttentionMetadata, forward on mixed batches against a dense torch reference
+(exact prefill, sparse decode), profiling runs and padding, the spec,
+validate_configuration and supports_kv_cache_dtype.
+
+It runs twice: against the CPU build (vLLM 0.32: the HISPARSE backend and the
+CPU_ATTN override, with vLLM's real config objects), and against vLLM 0.33's
+Python classes (test_bridge_vllm033.py runs this file with 0.33 first on
+sys.path: the GPU path's HISPARSE backend; 0.33's CUDA build has no platform here,
+so the engine config is a stand-in with the fields the builder reads)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+import torch
+import vllm
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from bridge import runtime as rt
+from bridge import vllm_backend as vb
+
+VLLM_033 = vllm.__version__.startswith("0.33")
+if VLLM_033:
+    BACKENDS = [vb.HiSparseBackend]
+else:
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from bridge import vllm_cpu
+    BACKENDS = [vb.HiSparseBackend, vllm_cpu.HiSparseCPUBackend]
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+NUM_BLOCKS = 64
+
+# vLLM's CPU kernel (the CPU override's exact prefill) picks AMX where the CPU has it;
+# outside an engine the process must ask for AMX tile permission first, or it dies
+# with SIGILL (docs/vllm.md).
+if hasattr(torch._C, "_cpu") and hasattr(torch._C._cpu, "_init_amx"):
+    torch._C._cpu._init_amx()
+
+
+def fake_config(prefix_caching=False):
+    """The fields of a VllmConfig the builder and the impl read (vLLM 0.33 here)."""
+    mc = types.SimpleNamespace(max_model_len=2048, get_num_attention_heads=lambda pc: HQ)
+    return types.SimpleNamespace(
+        model_config=mc, parallel_config=None, speculative_config=None,
+        cache_config=types.SimpleNamespace(enable_prefix_caching=prefix_caching),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=4))
+
+
+def config_context(vc):
+    if VLLM_033:
+        vb._MODEL["max_model_len"] = 2048
+        return contextlib.nullcontext()
+    return set_current_vllm_config(vc)
+
+
+@pytest.fixture(scope="module")
+def vllm_config(request):
+    if VLLM_033:
+        return fake_config()
+    smollm2_hf = request.getfixturevalue("smollm2_hf")
+    mc = ModelConfig(smollm2_hf, max_model_len=2048, dtype="bfloat16")
+    return VllmConfig(model_config=mc,
+                      cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+                      scheduler_config=SchedulerConfig(max_num_seqs=4, max_model_len=2048,
+                                                       is_encoder_decoder=False))
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    fresh = vb._Bridge()
+    monkeypatch.setattr(vb, "BRIDGE", fresh)
+    return fresh
+
+
+SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+
+
+def common(reqs, pad=0):
+    """reqs: [(ctx, n, blocks)] -> CommonAttentionMetadata (+ `pad` padding tokens)."""
+    qsl = np.cumsum([0] + [n for _, n, _ in reqs])
+    seq = [c + n for c, n, _ in reqs]
+    w = max(len(b) for *_, b in reqs)
+    bt = torch.zeros(len(reqs), w, dtype=torch.int32)
+    slots = []
+    for i, (c, n, b) in enumerate(reqs):
+        bt[i, :len(b)] = torch.tensor(b)
+        slots += [b[p // BS] * BS + p % BS for p in range(c, c + n)]
+    slots += [-1] * pad
+    q = torch.tensor(qsl, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=q, query_start_loc_cpu=q, seq_lens=torch.tensor(seq, dtype=torch.int32),
+        num_reqs=len(reqs), num_actual_tokens=int(qsl[-1]), max_query_len=max(
+            n for _, n, _ in reqs), max_seq_len=max(seq), block_table_tensor=bt,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64))
+
+
+def dense_ref(q, k, v, qpos):
+    kk = k.double().repeat_interleave(HQ // HKV, dim=1)
+    vv = v.double().repeat_interleave(HQ // HKV, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.double(), kk) / D ** 0.5
+    mask = torch.arange(k.shape[0])[None, :] <= torch.as_tensor(qpos)[:, None]
+    p = torch.softmax(logits.masked_fill(~mask[None], float("-inf")), -1)
+    return torch.einsum("hqk,khd->qhd", p, vv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_mixed_batches_equal_dense(vllm_config, bridge, backend):
+    g = torch.Generator().manual_seed(0)
+    tot = {"a": 60, "b": 30}
+    Q = {r: torch.randn(n, HQ, D, generator=g).bfloat16() for r, n in tot.items()}
+    K = {r: torch.randn(n, HKV, D, generator=g).bfloat16() for r, n in tot.items()}
+    V = {r: torch.randn(n, HKV, D, generator=g).bfloat16() for r, n in tot.items()}
+    blocks = {"a": [5, 9, 2, 40], "b": [7, 3]}
+    with config_context(vllm_config):
+        builder = backend.get_builder_cls()(SPEC, ["l0"], vllm_config, torch.device("cpu"))
+        impl = backend.get_impl_cls()(HQ, D, D ** -0.5, HKV, None, None, "auto")
+    if backend.get_name() == "CPU_ATTN":
+        assert isinstance(impl, CPUAttentionBackendImpl) and backend.get_name() == "CPU_ATTN"
+    layer = types.SimpleNamespace(layer_name="l0")
+    kv_cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
+    done = {"a": 0, "b": 0}
+    # step 1: a prefills 50; step 2: a decodes (converts), b prefills 20 (+3 padding
+    # tokens); step 3: both; then decodes.
+    for sched, pad in [([("a", 50)], 0), ([("a", 1), ("b", 20)], 3),
+                       ([("a", 1), ("b", 7)], 0)] + [([("a", 1), ("b", 1)], 1)] * 3:
+        reqs = [(done[r], n, blocks[r]) for r, n in sched]
+        m = common(reqs, pad)
+        meta = builder.build(0, m)
+        rows = [(r, done[r], done[r] + n) for r, n in sched]
+        q = torch.cat([Q[r][a:b] for r, a, b in rows] + [torch.zeros(pad, HQ, D).bfloat16()])
+        k = torch.cat([K[r][a:b] for r, a, b in rows] + [torch.zeros(pad, HKV, D).bfloat16()])
+        v = torch.cat([V[r][a:b] for r, a, b in rows] + [torch.zeros(pad, HKV, D).bfloat16()])
+        out = torch.full((q.shape[0], HQ * D), float("nan"), dtype=torch.bfloat16)
+        assert impl.forward(layer, q, k, v, kv_cache, meta, out) is out
+        want = torch.cat([dense_ref(Q[r][a:b], K[r][:b], V[r][:b], torch.arange(a, b))
+                          for r, a, b in rows])
+        got = out.view(-1, HQ, D)
+        n = m.num_actual_tokens
+        torch.testing.assert_close(got[:n].double(), want, atol=1e-2, rtol=1e-2)
+        assert torch.isnan(got[n:]).all()  # padding rows are not written
+        for r, nn in sched:
+            done[r] += nn
+    # profiling run: no metadata, output untouched
+    out = torch.full((4, HQ * D), 3.0, dtype=torch.bfloat16)
+    z = torch.zeros(4, HQ, D).bfloat16()
+    assert impl.forward(layer, z, z[:, :HKV], z[:, :HKV], kv_cache, None, out) is out
+    assert (out == 3.0).all()
+    c = vb.counters()
+    assert c["converted"] == 2 and c["dlpack_to_jax_copies"] == 0
+    assert c["decode_tokens"] == 1 + 1 + 3 * 2  # steps 2 and 3: a; steps 4-6: a and b
+    assert kv_cache.untyped_storage().nbytes() == 0  # vLLM's buffer was given back
+
+
+def test_spec_is_sized_by_hisparse_bytes(vllm_config):
+    with config_context(vllm_config):
+        spec = vb.HiSparseBackend.customize_spec(SPEC)
+    cfg = rt.make_config(num_kv_heads=HKV, num_heads=HKV, head_dim=D, page_size=BS,
+                         max_model_len=2048, max_seqs=1)
+    assert spec.state_content_bytes == rt.vllm_content_bytes(cfg)
+    assert SPEC.page_size_bytes / spec.page_size_bytes == pytest.approx(
+        rt.predicted_capacity_factor(cfg))
+    assert 2.0 < rt.predicted_capacity_factor(cfg) < 3.2
+    for backend in BACKENDS:
+        assert backend.customize_spec(SPEC) == spec
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_validate_configuration(backend):
+    """vLLM's own validate_configuration (0.32 and 0.33 take the same arguments)."""
+    ok = {"head_size": 64, "dtype": torch.bfloat16, "kv_cache_dtype": "auto", "block_size": 16,
+          "use_mla": False, "has_sink": False, "use_sparse": False, "use_mm_prefix": False,
+          "use_per_head_quant_scales": False, "device_capability": None,
+          "attn_type": "decoder"}
+    assert backend.validate_configuration(**ok) == []
+    bad = {"kv_cache_dtype": "fp8", "use_mla": True, "has_sink": True,
+           "attn_type": "encoder_only"}
+    for k, val in bad.items():
+        assert backend.validate_configuration(**{**ok, k: val}), k
+    assert backend.validate_configuration(**ok, has_sliding_window=True)
+    assert backend.supports_kv_cache_dtype("auto") and backend.supports_kv_cache_dtype(None)
+    assert not backend.supports_kv_cache_dtype("fp8")
+    assert backend.supports_block_size(16) and backend.supports_block_size(64)
+    if backend is vb.HiSparseBackend:
+        assert not backend.supports_block_size(24)
+        assert backend.get_name() == "HISPARSE"
+
+
+def test_impl_refuses_what_it_cannot_serve(vllm_config):
+    with config_context(vllm_config):
+        for kw in ({"sliding_window": 128}, {"alibi_slopes": [1.0] * HQ},
+                   {"logits_soft_cap": 30.0}, {"kv_cache_dtype": "fp8"}):
+            args = {"num_heads": HQ, "head_size": D, "scale": 0.125, "num_kv_heads": HKV,
+                    "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto"}
+            args.update(kw)
+            with pytest.raises(NotImplementedError, match="HiSparse"):
+                vb.HiSparseImpl(**args)
+
+
+def test_builder_refuses_prefix_caching(request, bridge):
+    if VLLM_033:
+        vc = fake_config(prefix_caching=True)
+    else:
+        mc = ModelConfig(request.getfixturevalue("smollm2_hf"), max_model_len=2048,
+                         dtype="bfloat16")
+        vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS,
+                                                                  enable_prefix_caching=True))
+    with pytest.raises(ValueError, match="prefix caching"):
+        vb.HiSparseMetadataBuilder(SPEC, ["l0"], vc, torch.device("cpu"))
+
+
+def test_plugin_registers_through_vllms_loader():
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    load_general_plugins()
+    assert AttentionBackendEnum["HISPARSE"].get_class() is vb.HiSparseBackend
+    assert vllm.__version__.startswith("0.33" if VLLM_033 else "0.32")

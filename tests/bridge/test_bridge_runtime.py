@@ -1,0 +1,214 @@
+"""The bridge's request -> slot mapping and per-layer cache, against exact attention
+(no torch, no vLLM: runs in the main suite, jax 0.11.2, and in the bridge env, jax
+0.10.2). A small fake scheduler hands out vLLM-style block tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bridge import runtime as rt
+from hisparse_jax.config import FULL_BUDGET
+
+HKV, G, D, PG = 3, 3, 64, 16
+HQ = HKV * G
+SCALE = D ** -0.5
+
+
+def dense(q, k, v, qpos):
+    """Exact causal attention, float64: q [n, Hq, D] at positions qpos; k, v [S, Hkv, D]."""
+    kk = np.repeat(k.astype(np.float64), G, axis=1)
+    vv = np.repeat(v.astype(np.float64), G, axis=1)
+    logits = np.einsum("qhd,khd->hqk", q.astype(np.float64), kk) * SCALE
+    mask = np.arange(k.shape[0])[None, :] <= np.asarray(qpos)[:, None]
+    logits = np.where(mask[None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, vv)
+
+
+def bf16(x):
+    import ml_dtypes
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+class FakeVllm:
+    """Block allocation like vLLM's: a free list, blocks freed when a request ends."""
+
+    def __init__(self, num_blocks, seed=0):
+        self.free = list(range(num_blocks))
+        self.rng = np.random.default_rng(seed)
+        self.rng.shuffle(self.free)
+        self.reqs = {}  # name -> dict(blocks, k, v, len)
+
+    def start(self, name, total):
+        r = self.rng.standard_normal
+        self.reqs[name] = {"blocks": [], "k": bf16(r((total, HKV, D))),
+                           "v": bf16(r((total, HKV, D))), "q": bf16(r((total, HQ, D))),
+                           "done": 0}
+
+    def finish(self, name):
+        self.free.extend(self.reqs.pop(name)["blocks"])
+
+    def batch(self, sched):
+        """sched: [(name, n tokens)] -> (metadata arrays, q, k, v, expected rows info)."""
+        qsl, sl, bts, q, k, v, info = [0], [], [], [], [], [], []
+        for name, n in sched:
+            r = self.reqs[name]
+            end = r["done"] + n
+            while len(r["blocks"]) * PG < end:
+                r["blocks"].append(self.free.pop())
+            qsl.append(qsl[-1] + n)
+            sl.append(end)
+            bts.append(r["blocks"])
+            q.append(r["q"][r["done"]:end]); k.append(r["k"][r["done"]:end])
+            v.append(r["v"][r["done"]:end])
+            info.append((name, r["done"], end))
+            r["done"] = end
+        w = max(len(b) for b in bts)
+        bt = np.zeros((len(sched), w), np.int32)
+        for i, b in enumerate(bts):
+            bt[i, :len(b)] = b
+        return (np.array(qsl), np.array(sl), bt, np.concatenate(q), np.concatenate(k),
+                np.concatenate(v), info)
+
+    def expected(self, info):
+        out = []
+        for name, a, b in info:
+            r = self.reqs[name]
+            out.append(dense(r["q"][a:b], r["k"][:b], r["v"][:b], np.arange(a, b)))
+        return np.concatenate(out)
+
+
+def run_step(table, layer, fake, sched):
+    qsl, sl, bt, q, k, v, info = fake.batch(sched)
+    plan = table.plan(qsl, sl, bt, len(sched), int(qsl[-1]))
+    res = layer.step(plan, rt.ArrayBatch(q, k, v))
+    return rt.scatter_results(res, int(qsl[-1]), HQ, D), fake.expected(info), plan
+
+
+def setup(budget=FULL_BUDGET, max_seqs=3, num_blocks=600, max_model_len=2048, seed=0):
+    cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
+                         max_model_len=max_model_len, max_seqs=max_seqs,
+                         num_blocks=num_blocks, overrides={"budget_tokens": budget})
+    return cfg, rt.SlotTable(cfg), rt.LayerCache(cfg, SCALE), FakeVllm(num_blocks, seed)
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b, axis=-1).max() / np.linalg.norm(b, axis=-1).mean()
+
+
+def test_short_requests_exact_mixed_batches():
+    """Everything in sink + hot (bf16): prefill and decode equal exact attention, in
+    mixed batches of a new prefill, a chunked prefill and decodes."""
+    _, table, layer, fake = setup()
+    fake.start("a", 100); fake.start("b", 100); fake.start("c", 100)
+    got, want, plan = run_step(table, layer, fake, [("a", 37)])
+    assert [r.kind for r in plan.reqs] == [rt.STAGE]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    got, want, plan = run_step(table, layer, fake, [("a", 1), ("b", 20), ("c", 5)])
+    assert [r.kind for r in plan.reqs] == [rt.CONVERT, rt.STAGE, rt.STAGE]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    got, want, plan = run_step(table, layer, fake, [("a", 1), ("b", 13), ("c", 1)])
+    assert [r.kind for r in plan.reqs] == [rt.DECODE, rt.STAGE, rt.CONVERT]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    for _ in range(20):
+        got, want, plan = run_step(table, layer, fake, [("a", 1), ("b", 1), ("c", 1)])
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    assert table.counters["converted"] == 3
+
+
+@pytest.mark.parametrize("budget", [FULL_BUDGET, 256])
+def test_long_request_equals_the_library_cache(budget):
+    """Past the hot window (fp8 warm, int4 cold): a chunked prefill is exact, and
+    decode equals HiSparseCache fed the same K/V (the bridge drives the library,
+    it does not change it); cold pages sit at the request's block ids."""
+    from hisparse_jax.cache import HiSparseCache
+
+    cfg, table, layer, fake = setup(budget=budget)
+    fake.start("a", 1300)
+    for n in (512, 512, 200):  # a chunked prefill
+        got, want, _ = run_step(table, layer, fake, [("a", n)])
+        np.testing.assert_allclose(got, want, atol=5e-5)
+    ref = HiSparseCache(cfg.replace(max_seqs=1, num_pool_pages=None))
+    r = fake.reqs["a"]
+    ref.prefill(0, r["k"][:1224], r["v"][:1224])
+    for t in range(1224, 1264):
+        got, want, _ = run_step(table, layer, fake, [("a", 1)])
+        ref.append(r["k"][t:t + 1], r["v"][t:t + 1])
+        np.testing.assert_allclose(got, np.asarray(ref.attend(r["q"][t:t + 1])), atol=1e-5)
+        if budget == FULL_BUDGET:  # int4 on random Gaussian K/V: a loose sanity bound
+            assert rel(got, want) < 0.3
+    slot = int(table.key.tolist().index(fake.reqs["a"]["blocks"][0]))
+    row = np.asarray(layer.state.page_table[slot])
+    blocks = np.asarray(fake.reqs["a"]["blocks"])
+    cold = row >= 0
+    np.testing.assert_array_equal(row[cold], blocks[np.flatnonzero(cold)])
+    assert cold.sum() == int(rt.st.num_cold_pages(cfg, 1264))
+
+
+def test_reused_blocks_show_no_stale_pages():
+    """Request b gets the blocks of finished request a (and a's slot): its outputs
+    are bit-equal to b run alone on a fresh cache."""
+    def run_b(table, layer, fake):
+        fake.start("b", 1100)
+        outs = [run_step(table, layer, fake, [("b", 1000)])[0]]
+        outs += [run_step(table, layer, fake, [("b", 1)])[0] for _ in range(30)]
+        return np.concatenate(outs)
+
+    _, table, layer, fake = setup(budget=128, max_seqs=1, num_blocks=80, seed=1)
+    fake.start("a", 1250)
+    run_step(table, layer, fake, [("a", 1200)])
+    for _ in range(20):
+        run_step(table, layer, fake, [("a", 1)])
+    used = list(fake.reqs["a"]["blocks"])
+    fake.finish("a")
+    fake.free = [b for b in fake.free if b not in used] + used[::-1]  # pop() gives a's first
+    got = run_b(table, layer, fake)
+    assert set(fake.reqs["b"]["blocks"][:20]) <= set(used)
+
+    _, table2, layer2, fake2 = setup(budget=128, max_seqs=1, num_blocks=80, seed=1)
+    fake2.start("a", 1250)  # same random draws as above, different block ids
+    fake2.reqs.pop("a")
+    want = run_b(table2, layer2, fake2)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_finished_slot_is_reclaimed_and_prefix_hits_refused():
+    _, table, layer, fake = setup(max_seqs=2)
+    for name in ("a", "b"):
+        fake.start(name, 40)
+        run_step(table, layer, fake, [(name, 30)])
+    fake.finish("a"); fake.finish("b")
+    fake.start("c", 40)
+    run_step(table, layer, fake, [("c", 30)])  # a slot comes back (stale or LRU)
+    assert table.counters["released_stale"] + table.counters["evicted_lru"] >= 1
+    # A request that continues without a start here (a prefix-cache hit) is refused.
+    fake.start("d", 40)
+    fake.reqs["d"]["done"] = 16
+    qsl, sl, bt, *_ = fake.batch([("d", 8)])
+    with pytest.raises(rt.BridgeError, match="prefix"):
+        table.plan(qsl, sl, bt, 1, 8)
+
+
+def test_pool_ids_follow_append_order():
+    cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
+                         max_model_len=4096, max_seqs=2)
+    blocks = np.arange(100, 400)
+    first_cold = (cfg.sink_pages + cfg.hot_pages + cfg.warm_pages) * PG
+    assert rt.append_pool_id(cfg, first_cold - 1, blocks) == -1
+    assert rt.append_pool_id(cfg, first_cold, blocks) == 100 + cfg.sink_pages
+    assert rt.append_pool_id(cfg, first_cold + 1, blocks) == -1
+    np.testing.assert_array_equal(rt.prefill_pool_ids(cfg, first_cold + 33, blocks),
+                                  100 + cfg.sink_pages + np.arange(3))
+
+
+def test_config_from_environment():
+    assert rt.config_overrides({"HISPARSE_BUDGET_TOKENS": "all"}) == {"budget_tokens": -1}
+    assert rt.config_overrides({"HISPARSE_CONFIG": '{"hot_tokens": 64}',
+                                "HISPARSE_BUDGET_TOKENS": "480"}) == {
+        "hot_tokens": 64, "budget_tokens": 480}
+    cfg = rt.make_config(num_kv_heads=3, num_heads=9, head_dim=64, page_size=16,
+                         max_model_len=8192, max_seqs=4)
+    # SmolLM2 shapes: ~3x fewer bytes per token than vLLM's bf16 (256 B per head).
+    assert 2.5 < 256 / rt.bytes_per_token_per_head(cfg) < 3.2
