@@ -52,6 +52,14 @@ class HiSparseConfig:
     # (ranks the spread mass of diffuse heads better). docs/results.md measures it:
     # 0.75 was best before the re-rank, 0.5 with it.
     bound_share: float = 0.5
+    # Peaked bounds (issue 14): when a query head's bound sets pages more than
+    # peak_z lower semi-deviations above its mean, the group's candidates start
+    # with plain Quest's top pages (the group's maximum bound), peak_pages of them
+    # per such page, up to all candidates; the re-rank then chooses. Sharp heads
+    # whose page Quest ranks high but the split and the centre miss keep it. 0 =
+    # off. docs/results.md ("Sharp heads") measures it.
+    peak_pages: int = 3
+    peak_z: float = 5.0
     # Unselected cold pages sampled per (sequence, KV head) to estimate the
     # attention they would get (importance sampling, weighted by 1/inclusion
     # probability): the mass a 2K-token selection leaves out is estimated instead of
@@ -109,6 +117,10 @@ class HiSparseConfig:
         need(self.max_context % p == 0, "max_context", f"must be a multiple of page_size={p}")
         need(is_number(self.bound_share) and 0.0 <= self.bound_share <= 1.0,
              "bound_share", "must be a number in [0, 1]")
+        need(is_int(self.peak_pages) and self.peak_pages >= 0,
+             "peak_pages", "must be a non-negative int")
+        need(is_number(self.peak_z) and math.isfinite(self.peak_z) and self.peak_z > 0,
+             "peak_z", "must be a finite number > 0")
         need(is_int(self.tail_sample_pages) and self.tail_sample_pages >= 0,
              "tail_sample_pages", "must be a non-negative int")
         need(is_number(self.rerank_multiple) and math.isfinite(self.rerank_multiple)

@@ -217,3 +217,200 @@ def make_workload(*, context: int, num_kv_heads: int = 4, gqa_group: int = 4, he
     # Query terms were built in rotated space already (they aim at rotated keys).
     return Workload(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32),
                     head_kinds=tuple(kinds), needle_targets=targets, seed=seed)
+
+
+SHARP_KINDS = ("sharp", "local", "diffuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharpWorkload:
+    q: np.ndarray            # [N, Hq, D] float32, decode queries at position S
+    k: np.ndarray            # [S, Hkv, D] float32 (post-RoPE)
+    v: np.ndarray            # [S, Hkv, D] float32
+    head_kinds: tuple        # [Hq] "sharp", "local" or "diffuse"
+    target_pages: np.ndarray  # [N, Hq] the page a sharp head's query is aimed at; -1 if none
+    distractor_pages: tuple  # per query head: the pages planted to outrank its target's bound
+    seed: int
+
+    @property
+    def context(self) -> int:
+        return self.k.shape[0]
+
+
+def make_sharp_workload(*, context: int = 8192, num_kv_heads: int = 1, gqa_group: int = 3,
+                        head_dim: int = 64, num_queries: int = 4, kinds=None,
+                        page_size: int = 16, rope_base: float = 100000.0,
+                        far_pages: int | None = 450, distractors=(8, 16),
+                        distractor_scale=(1.05, 1.5), fast_pairs: int = 6,
+                        share=(0.85, 0.98), seed: int = 0) -> SharpWorkload:
+    """Near-one-hot long-range heads whose target page Quest's upper bound ranks
+    high but not first, and whose page centre does not show it (issue 14).
+
+    Keys: a per-head mean with massive channels, topics, a smooth local process
+    and noise (as `make_workload`), a sink at token 0, RoPE with `rope_base`
+    (SmolLM2's 100000 by default). Per "sharp" query head:
+    - a target: a span of 8-14 tokens inside one page whose pre-RoPE key content
+      lives in `fast_pairs` of the highest-frequency rotary pairs (4 of them per
+      head, chosen per head). The content repeats (a repeated word, a number), so
+      after RoPE it turns through most of a circle across the span: the page's
+      per-channel range is wide and its centre (what `q.c` reads) is near zero,
+      while the bound, which sees the range, is right. The query is aimed at one
+      token of the span, rotated (a positional match: a head that attends the
+      k-th copy of a repeated token) and solved so that `share` of its exact
+      mass lands on that page. With `far_pages`, the first sharp head of each
+      group aims at a page that many pages before the last one.
+    - distractors: `distractors` (a range) whole pages whose tokens are each
+      large in one of the same pairs, in turn and at random angles,
+      `distractor_scale` x the target's radius (loose pages: delimiters,
+      numbers, code, whose keys spike in a few channels each). Every channel's
+      range is then wider than the target's, so the head's bound ranks them
+      above its target, but no key is aligned with the query: their exact
+      logits are at most a quarter of the aimed-at token's.
+    "local" and "diffuse" heads are as in `make_workload` (diffuse: weak topic
+    preferences; local: the recent window).
+    """
+    rng = np.random.default_rng(seed)
+    S, H, G, D, pg = context, num_kv_heads, gqa_group, head_dim, page_size
+    half = D // 2
+    if kinds is None:
+        kinds = ["sharp"] * (H * G)
+    kinds = list(kinds)
+    if len(kinds) == G and H > 1:
+        kinds = kinds * H
+    if len(kinds) != H * G or any(kd not in SHARP_KINDS for kd in kinds):
+        raise ValueError(f"kinds must list {G} or {H * G} entries from {SHARP_KINDS}")
+    n_pages = -(-S // pg)
+    # Cold pages at the default tiers (sink 1 page, hot 128 + warm 384 tokens):
+    # pages 1 .. last - 32. Targets and distractors go there.
+    cold_hi = n_pages - 1 - 32
+    if cold_hi < 40:
+        raise ValueError(f"context {S} is too short for cold targets and distractors")
+    log_s = float(np.log(S))
+    pos = np.arange(S)
+    pair = np.arange(D) % half
+    outlier_pool = np.flatnonzero((pair >= half // 2) & (pair < half * 3 // 4))
+    bounds = [0]
+    while bounds[-1] < S:
+        bounds.append(bounds[-1] + int(rng.integers(200, 3000)))
+    starts = np.array(bounds[:-1])
+    seg = np.searchsorted(np.array(bounds[1:]), pos, side="right")
+    n_topics = max(4, len(starts) // 3)
+    topic = rng.integers(0, n_topics, size=len(starts))[seg]
+
+    k_raw = np.empty((S, H, D), np.float32)
+    v = np.empty((S, H, D), np.float32)
+    q = np.zeros((num_queries, H * G, D), np.float32)
+    target_pages = np.full((num_queries, H * G), -1, np.int64)
+    distractor_pages = [() for _ in range(H * G)]
+    key_noise, topic_amp, local_amp = 0.9, 0.6, 1.2
+    key_std = float(np.sqrt(key_noise ** 2 + topic_amp ** 2 + local_amp ** 2))
+    for h in range(H):
+        mean = rng.normal(scale=0.3, size=D).astype(np.float32)
+        outl = rng.choice(outlier_pool, size=4, replace=False)
+        mean[outl] = rng.choice([-1, 1], size=4) * rng.uniform(6, 12, size=4)
+        content = np.ones(D, np.float32)
+        content[outlier_pool] = 0.0
+        topic_dirs = rng.normal(size=(n_topics, D)).astype(np.float32) * content * topic_amp
+        width = float(rng.uniform(16, 64))
+        local = _smooth_noise(rng, S, D, width) * local_amp
+        k_raw[:, h] = (mean + topic_dirs[topic] + local
+                       + rng.normal(size=(S, D)).astype(np.float32) * key_noise)
+        k_raw[0, h] += _unit(rng, D, content) * 40.0
+        v_mean = rng.normal(scale=0.5, size=D).astype(np.float32)
+        v_topic = rng.normal(scale=0.7, size=(n_topics, D)).astype(np.float32)
+        v[:, h] = v_mean + v_topic[topic] + rng.normal(size=(S, D)).astype(np.float32)
+        v[0, h] = rng.normal(scale=0.2, size=D)
+
+        used = set()
+
+        def free_page(lo, hi, used=used):
+            for _ in range(1000):
+                p = int(rng.integers(lo, hi + 1))
+                if not used & {p - 1, p, p + 1}:
+                    used.add(p)
+                    return p
+            raise ValueError("no free page left for a target or distractor")
+
+        # Per sharp head: its rotary pairs, its targets (one per query, two distinct
+        # pages per head) and its distractor pages.
+        plans = {}
+        for g in range(G):
+            hq = h * G + g
+            if kinds[hq] != "sharp":
+                continue
+            pairs = rng.choice(fast_pairs, size=min(4, fast_pairs), replace=False)
+            chans = np.concatenate([pairs, pairs + half])
+            rho = float(rng.uniform(5.0, 7.0))  # content radius per pair
+            tgts = []
+            first_far = far_pages is not None and not any(kinds[h * G + x] == "sharp"
+                                                          for x in range(g))
+            for j in range(2):
+                if j == 0 and first_far:
+                    p = n_pages - 1 - far_pages
+                    if p < 1 or p in used:
+                        raise ValueError(f"far_pages={far_pages} does not fit context {S}")
+                    used.add(p)
+                else:
+                    p = free_page(1, cold_hi)
+                ln = int(rng.integers(8, 15))
+                off = int(rng.integers(0, pg - ln + 1))
+                start = p * pg + off
+                c = np.zeros(D, np.float32)
+                ang = rng.uniform(0, 2 * np.pi, size=len(pairs))
+                c[pairs], c[pairs + half] = rho * np.cos(ang), rho * np.sin(ang)
+                k_raw[start:start + ln, h] = k_raw[start:start + ln, h] * 0.3 + c
+                t0 = start + int(rng.integers(ln // 4, ln - ln // 4))
+                tgts.append((p, t0, c))
+            dpages = []
+            for _ in range(int(rng.integers(distractors[0], distractors[1] + 1))):
+                p = free_page(1, cold_hi)
+                rows = slice(p * pg, (p + 1) * pg)
+                scale = rho * float(rng.uniform(*distractor_scale))
+                # Each token is large in one of the pairs (in turn, at a random
+                # angle): every channel's range is wide, no key is aligned.
+                ang = rng.uniform(0, 2 * np.pi, size=pg)
+                which = pairs[(np.arange(pg) + int(rng.integers(len(pairs)))) % len(pairs)]
+                blk = k_raw[rows, h]
+                blk[:, pairs] *= 0.3
+                blk[:, pairs + half] *= 0.3
+                blk[np.arange(pg), which] = scale * np.cos(ang)
+                blk[np.arange(pg), which + half] = scale * np.sin(ang)
+                k_raw[rows, h] = blk
+                dpages.append(p)
+            distractor_pages[hq] = tuple(sorted(dpages))
+            plans[g] = (chans, tgts)
+
+        k_post = rope(k_raw[:, h:h + 1], pos, rope_base)[:, 0]
+        sink_key = k_post[0] - k_post[1:].mean(0)
+        read = np.ones(D, np.float32)
+        read[outl] = 0.05
+        local_key = rope(local[None, S - 1:S], np.full(1, S - 1), rope_base)[0, 0] * read
+        recent = pos >= S - int(4 * width)
+        for g in range(G):
+            hq = h * G + g
+            kind = kinds[hq]
+            for n in range(num_queries):
+                qv = _unit(rng, D) * read * (np.sqrt(D) / key_std)
+                qv += _aim(sink_key, log_s + rng.uniform(-5.0, -1.0), D)
+                if kind == "local":
+                    qv = _solve(k_post, qv, local_key, recent, rng.uniform(0.75, 0.99))
+                elif kind == "sharp":
+                    qv += _aim(local_key, rng.uniform(0.0, 2.0), D)
+                    chans, tgts = plans[g]
+                    p, t0, c = tgts[n % len(tgts)]
+                    aim = np.zeros(D, np.float32)
+                    aim[chans] = rope(c[None, None], np.full(1, t0), rope_base)[0, 0][chans]
+                    qv = _solve(k_post, qv, aim, (pos >= p * pg) & (pos < (p + 1) * pg),
+                                rng.uniform(*share))
+                    target_pages[n, hq] = p
+                else:  # diffuse
+                    qv += _aim(local_key, rng.uniform(0.0, 2.0), D)
+                    for sg in rng.choice(len(starts), size=min(3, len(starts)), replace=False):
+                        tkey = rope(topic_dirs[topic[starts[sg]]][None, None],
+                                    np.full(1, starts[sg]), rope_base)[0, 0]
+                        qv += _aim(tkey, rng.uniform(0.5, 2.5), D)
+                q[n, hq] = qv
+    k = rope(k_raw, pos, rope_base)
+    return SharpWorkload(q=q, k=k.astype(np.float32), v=v.astype(np.float32),
+                         head_kinds=tuple(kinds), target_pages=target_pages,
+                         distractor_pages=tuple(distractor_pages), seed=seed)

@@ -28,7 +28,7 @@ collect_ignore = [] if IN_BRIDGE_ENV else [
 @pytest.fixture(scope="session")
 def smollm2_hf(tmp_path_factory) -> str:
     """SmolLM2-135M-Instruct as a bf16 HF checkpoint, exported by our own loader
-    (hisparse_jax.models: `hisparse export --model smollm2-135m --format hf DIR`).
+    (`hisparse export --model smollm2-135m --format hf DIR`: hisparse_jax.models).
     HISPARSE_SMOLLM2_HF=DIR reuses an export; otherwise it is made once per run
     in the main env's Python (the GGUF is fetched and verified by the registry)."""
     given = os.environ.get("HISPARSE_SMOLLM2_HF")
@@ -41,10 +41,13 @@ def smollm2_hf(tmp_path_factory) -> str:
     main_py = os.environ.get("HISPARSE_MAIN_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     py = main_py if pathlib.Path(main_py).exists() else sys.executable
     tmp = tmp_path_factory.mktemp("export") / "hf"
-    run = subprocess.run([py, "-m", "hisparse_jax.models.cli", "export", "--model",
-                          "smollm2-135m", "--format", "hf", str(tmp)], check=False,
+    # `hisparse export --model smollm2-135m --format hf DIR`, in the main env's Python
+    run = subprocess.run([py, "-c", "import sys; from hisparse_jax.cli import main; "
+                          "sys.exit(main(sys.argv[1:]))", "export", "--model", "smollm2-135m",
+                          "--format", "hf", str(tmp)], check=False,
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0 and (tmp / "model.safetensors").is_file(), \
+        (run.stdout + run.stderr)[-3000:]
     if out.exists():
         import shutil
         shutil.rmtree(out)

@@ -1,0 +1,66 @@
+"""Decode-step time of today's selection against another attention module's, as
+`hisparse bench attention` times it (random K/V, default preset, each step right
+after a dense call), all calls interleaved in one process:
+
+    python benchmarks/time_selection.py --context 131072 --repeats 15 --baseline /tmp/attention_before.py
+
+--baseline is a copy of hisparse_jax/attention.py from before a change (e.g.
+`git show HEAD:hisparse_jax/attention.py > /tmp/attention_before.py`); without it,
+peak_pages=0 (the sharp-head candidates off) stands in for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax import attention
+from hisparse_jax.bench import _time_interleaved
+from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.config import preset
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--baseline", help="path of an older attention.py")
+    args = p.parse_args(argv)
+    cfg = preset("default").replace(max_context=args.context, max_seqs=1, num_pool_pages=None)
+    h, d = cfg.num_kv_heads, cfg.head_dim
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((args.context, h, d), np.float32), jnp.bfloat16)
+            for _ in range(2))
+    cache = HiSparseCache(cfg, "xla")
+    cache.prefill(0, k, v)
+    st = cache.state
+    q = jnp.asarray(rng.standard_normal((1, cfg.num_q_heads, d), np.float32))
+    kd, vd = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("attention_baseline", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        before = lambda: base.decode_attention(cfg, st, q, implementation="xla")
+    else:
+        off = cfg.replace(peak_pages=0)
+        before = lambda: attention.decode_attention(off, st, q, implementation="xla")
+
+    def dense():
+        return attention.dense_decode_attention(q, kd, vd, jnp.array([args.context]))
+    fns = [dense, before, dense, lambda: attention.decode_attention(cfg, st, q,
+                                                                    implementation="xla")]
+    times = [ms for ms, _ in _time_interleaved(fns, args.repeats)]
+    dense_ms = float(np.median([times[0], times[2]]))
+    print(json.dumps({"context": args.context, "dense_ms": round(dense_ms, 2),
+                      "before_ms": round(times[1], 2), "after_ms": round(times[3], 2),
+                      "speedup_before": round(dense_ms / times[1], 2),
+                      "speedup_after": round(dense_ms / times[3], 2)}))
+
+
+if __name__ == "__main__":
+    main()
