@@ -3,7 +3,9 @@
     HISPARSE_VLLM_CPU=1 python -m bridge.run_vllm --model DIR --prompts P.json --out R.json
 
 P.json: {"prompts": [str or {"prompt": str, "max_tokens": n}, ...], "max_tokens": N,
-"logprobs": k (optional), "ignore_eos": bool (optional)}.
+"logprobs": k (optional), "ignore_eos": bool (optional)}; or {"groups": [[...], [...]],
+...}: each group is one `generate` call, in order (so that two engines batch a group
+the same way whatever else runs), and the outputs are concatenated.
 R.json: {"outputs": [{"token_ids", "text"}], "kv_cache_tokens" (from vLLM's own
 "KV cache size: N tokens" log line), "kv_cache_tokens_config", "backend",
 "bridge" (the bridge's counters: slots, conversions, DLPack copies), "seconds"
@@ -96,15 +98,17 @@ def main(argv=None):
               dtype="bfloat16", seed=0,
               **({"block_size": args.block_size} if args.block_size else {}))
     t1 = time.perf_counter()
-    prompts, params = [], []
-    for p_ in spec["prompts"]:
-        p_ = p_ if isinstance(p_, dict) else {"prompt": p_}
-        prompts.append(p_["prompt"])
-        params.append(SamplingParams(max_tokens=p_.get("max_tokens", spec.get("max_tokens", 32)),
-                                     temperature=0.0,
-                                     ignore_eos=p_.get("ignore_eos", spec.get("ignore_eos", False)),
-                                     logprobs=p_.get("logprobs", spec.get("logprobs"))))
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = []
+    for group in spec.get("groups") or [spec["prompts"]]:
+        prompts, params = [], []
+        for p_ in group:
+            p_ = p_ if isinstance(p_, dict) else {"prompt": p_}
+            prompts.append(p_["prompt"])
+            params.append(SamplingParams(
+                max_tokens=p_.get("max_tokens", spec.get("max_tokens", 32)), temperature=0.0,
+                ignore_eos=p_.get("ignore_eos", spec.get("ignore_eos", False)),
+                logprobs=p_.get("logprobs", spec.get("logprobs"))))
+        outs += llm.generate(prompts, params, use_tqdm=False)
     t2 = time.perf_counter()
     res = {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                         "prompt_tokens": len(o.prompt_token_ids),

@@ -41,7 +41,9 @@ def _prompts():
              for q in wl.CHAT_QUESTIONS]
     pk = [{"prompt": wl.passkey(wl.FILLERS_7K5, d, k), "max_tokens": 8}
           for d, k in zip(DEPTHS, keys)]
-    return {"prompts": short + pk}, keys
+    # Two generate calls: the short prompts alone first, so that both engines batch
+    # them the same way (vLLM's own rounding depends on the batch), then the passkeys.
+    return {"groups": [short, pk]}, keys
 
 
 def _run(tmp, name, model, env, extra):
@@ -89,7 +91,7 @@ def test_greedy_tokens_equal_cpu_attn(runs):
     print("agreement (tokens, reference top-2 gap at the divergence):", report)
     long_enough = [k >= 30 or (k == len(d["token_ids"]) == len(h["token_ids"]))
                    for (k, _), d, h in zip(report, dense["outputs"], hs["outputs"])]
-    assert sum(long_enough) >= n - 2, report
+    assert sum(long_enough) >= n - 2, report  # measured: 6 or more of 8
     for (k, gap), ok in zip(report, long_enough):
         assert ok or gap <= TIE, f"diverged at token {k} where the reference gap is {gap}"
 
