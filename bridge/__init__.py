@@ -1,4 +1,3 @@
-"""DLPack views and the vLLM attention backend (the only code that imports torch or vLLM).
-
-Not built yet: see the project's issues.
-"""
+"""The only code that imports torch or vLLM: DLPack views (`dlpack`) and HiSparse as a
+vLLM attention backend (`plugin` registers it; `vllm_backend`, `vllm_cpu`; the
+engine-independent half is `runtime`). See docs/vllm.md."""

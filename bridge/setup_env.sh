@@ -49,8 +49,8 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]]; then
     if [[ "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
         install_hisparse  # entry points and metadata come from pyproject.toml
         ensure_entry_point
-        touch "$STAMP"
     fi
+    touch "$STAMP"  # up to date (make compares its time with its inputs')
     exit 0
 fi
 if [[ -z "$PY311" ]] || ! "$PY311" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then

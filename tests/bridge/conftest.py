@@ -42,8 +42,8 @@ def smollm2_hf(tmp_path_factory) -> str:
     py = main_py if pathlib.Path(main_py).exists() else sys.executable
     tmp = tmp_path_factory.mktemp("export") / "hf"
     # `hisparse export --model smollm2-135m --format hf DIR`, in the main env's Python
-    run = subprocess.run([py, "-c", "import sys; from hisparse_jax.cli import main; "
-                          "sys.exit(main(sys.argv[1:]))", "export", "--model", "smollm2-135m",
+    code = "import sys; from hisparse_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+    run = subprocess.run([py, "-c", code, "export", "--model", "smollm2-135m",
                           "--format", "hf", str(tmp)], check=False,
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0 and (tmp / "model.safetensors").is_file(), \
