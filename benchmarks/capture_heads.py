@@ -4,7 +4,7 @@
 the same budget (`sharp_heads.compare`).
 
     python benchmarks/capture_heads.py                                  # passkey + GPL-3, all layers
-    python benchmarks/capture_heads.py --prompts passkey --depth 0.1 --save-dir /tmp/heads
+    python benchmarks/capture_heads.py --prompts passkey --depth 0.1 --save-dir heads/
     python benchmarks/capture_heads.py --layers 5 12 --queries 16 --tokens 8000
 
 Each prompt (about --tokens tokens) runs through the model once, with exact
@@ -13,9 +13,10 @@ queries of the last --queries positions and the K/V of the tokens before them
 are kept, post-RoPE, as the cache sees them: q [N, Hq, D], k, v [S, Hkv, D]
 float16 with S = prompt length - N (the format `hisparse eval --qkv` reads).
 A head is sharp for a query when one cold page holds more than --sharp-mass of
-its exact attention. Prompts: "passkey" (the long-context task in
-/work/shared/notes/models.md: a 5-digit key at --depth of a filler text, then
-the question) and "gpl3" (/usr/share/common-licenses/GPL-3, repeated to
+its exact attention. Prompts: "passkey" (the long-context task of
+`hisparse_jax.models.prompts`: a 5-digit key at --depth of a filler text, then
+the question; here the filler sentences of a block are joined by spaces, not
+newlines) and "gpl3" (/usr/share/common-licenses/GPL-3, repeated to
 length, then a question about it).
 """
 
@@ -37,25 +38,22 @@ from sharp_heads import compare, summarize
 from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.config import preset
 from hisparse_jax.evaluation import config_for
+from hisparse_jax.models.prompts import FILLER, INTRO, QUESTION, needle
 
 CHUNK = 512
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
-                 "memorize it. I will quiz you about the important information there.")
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 GPL = "/usr/share/common-licenses/GPL-3"
 
 
 def passkey_prompt(tok, tokens: int, depth: float, key: int) -> tuple[list[int], str]:
     """The passkey prompt of about `tokens` tokens, the key at `depth` (0..1) of
     the filler: newline-joined intro, filler, key sentence, filler, question."""
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    question = "What is the pass key? The pass key is"
-    base = len(tok.encode(f"{PASSKEY_INTRO}\n{needle}\n{question}"))
+    key_line = needle(key)
+    base = len(tok.encode(f"{INTRO}\n{key_line}\n{QUESTION}"))
     per = len(tok.encode(" " + FILLER))
     n = max(2, (tokens - base) // per)
     before = round(n * depth)
-    text = "\n".join([PASSKEY_INTRO, " ".join([FILLER] * before), needle,
-                      " ".join([FILLER] * (n - before)), question])
+    text = "\n".join([INTRO, " ".join([FILLER] * before), key_line,
+                      " ".join([FILLER] * (n - before)), QUESTION])
     return tok.encode(text, add_bos=False), f"passkey depth {depth} key {key}"
 
 

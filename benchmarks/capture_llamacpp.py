@@ -37,12 +37,11 @@ copies logits into `Llama.scores` (its sampler works inside llama.cpp), so
 `scores` holds uninitialised memory. Logits are read here with
 `llama_get_logits_ith(ctx, -1)`, the row of the last token of the last batch.
 
-Usage (in a venv with llama-cpp-python 0.3.36, numpy and jinja2):
+Usage (in a venv with `pip install -e ".[llamacpp]"`, built as above; the GGUF
+path is what `hisparse fetch` prints):
 
-    nice -n 19 /tmp/llamacpp-venv/bin/python benchmarks/capture_llamacpp.py \\
-        --gguf /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    nice -n 19 /tmp/llamacpp-venv/bin/python benchmarks/capture_llamacpp.py \\
-        --gguf /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --speed
+    nice -n 19 python benchmarks/capture_llamacpp.py --gguf "$(hisparse fetch smollm2-135m)"
+    nice -n 19 python benchmarks/capture_llamacpp.py --gguf "$(hisparse fetch smollm2-135m)" --speed
 
 `--speed` writes no file; it prints one JSON line per context with llama.cpp's
 prefill and decode speed (tokens/s) at that context.
@@ -61,6 +60,8 @@ import sys
 import time
 
 import numpy as np
+
+from hisparse_jax.models.prompts import passkey
 
 N_CTX = 2048
 N_GREEDY = 32
@@ -120,16 +121,8 @@ CHAT_MESSAGES = [
 
 
 def _passkey_prompt(n_filler=40, depth=0.5, key=68294):
-    """A raw passkey prompt (models.md), about 1000 tokens with the defaults."""
-    filler = ("The grass is green. The sky is blue. The sun is yellow. "
-              "Here we go. There and back again.")
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    at = int(n_filler * depth)
-    intro = ("There is an important info hidden inside a lot of irrelevant text. "
-             "Find it and memorize it. I will quiz you about the important information there.")
-    parts = ([intro] + [filler] * at + [needle] + [filler] * (n_filler - at)
-             + ["What is the pass key? The pass key is"])
-    return "\n".join(parts)
+    """A raw passkey prompt, about 1000 tokens with the defaults."""
+    return passkey(n_filler, depth, key)
 
 
 RAW_TEXTS = [

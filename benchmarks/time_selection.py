@@ -2,10 +2,10 @@
 `hisparse bench attention` times it (random K/V, default preset, each step right
 after a dense call), all calls interleaved in one process:
 
-    python benchmarks/time_selection.py --context 131072 --repeats 15 --baseline /tmp/attention_before.py
+    git show HEAD:hisparse_jax/attention.py > attention_before.py
+    python benchmarks/time_selection.py --context 131072 --repeats 15 --baseline attention_before.py
 
---baseline is a copy of hisparse_jax/attention.py from before a change (e.g.
-`git show HEAD:hisparse_jax/attention.py > /tmp/attention_before.py`); without it,
+--baseline is a copy of hisparse_jax/attention.py from before a change; without it,
 peak_pages=0 (the sharp-head candidates off) stands in for it.
 """
 

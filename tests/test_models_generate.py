@@ -13,6 +13,7 @@ from hisparse_jax.cli import main
 from hisparse_jax.models import registry
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.generate import generate
+from hisparse_jax.models.prompts import passkey
 from hisparse_jax.models.sampling import SamplingParams
 from tests.helpers import cli_error
 
@@ -75,25 +76,13 @@ def test_prompt_too_long(model):
         generate(m, tok, [5] * 300, engine=Engine(m, max_context=256, attention="dense"))
 
 
-def _passkey(n_filler, depth, key):
-    """models.md's passkey prompt (raw completion, no template)."""
-    filler = ("The grass is green. The sky is blue. The sun is yellow. "
-              "Here we go. There and back again.")
-    intro = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
-             "memorize it. I will quiz you about the important information there.")
-    at = int(n_filler * depth)
-    return "\n".join(
-        [intro] + [filler] * at + [f"The pass key is {key}. Remember it. {key} is the pass key."]
-        + [filler] * (n_filler - at) + ["What is the pass key? The pass key is"])
-
-
 def test_passkey_through_sparse_selection(model):
     """A ~1K-token passkey prompt with the needle in the cold tier (int4, pages
     chosen by selection) and a budget of 4 of its ~27 cold pages: HiSparse still
     retrieves it."""
     from hisparse_jax.state import num_cold_pages
     m, tok = model
-    text = _passkey(36, 0.3, 68294)
+    text = passkey(36, 0.3, 68294)
     ids = tok.encode(text)
     needle = len(tok.encode(text[:text.index("The pass key is")]))
     e = Engine(m, max_context=1024, attention="hisparse", budget_tokens=64)
