@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sharp_heads import compare, summarize
+from sharp_heads import compare, config_overrides, summarize
 
 from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.config import preset
@@ -114,10 +114,7 @@ def main(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="HiSparse config overrides (e.g. rerank_multiple=1)")
     args = p.parse_args(argv)
-    over = {}
-    for kv in args.set:
-        key, val = kv.split("=")
-        over[key] = float(val) if "." in val else int(val)
+    over = config_overrides(args.set)
 
     from hisparse_jax.models.registry import load
     model, tok = load(args.model)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import attention
-from hisparse_jax.bench import _time_interleaved
+from hisparse_jax.bench import _time_interleaved, random_decode_case
 from hisparse_jax.cache import HiSparseCache
 from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.evaluation import ExactMass, config_for
@@ -159,18 +159,7 @@ def time_rerank(context, multiples=(1, 1.25, 1.5), repeats=15):
     dense attention, as `hisparse bench attention` runs them: random K/V, default
     preset, every step right after a dense call (so its digests are not in cache)."""
     cfg = preset("default").replace(max_context=context, max_seqs=1, num_pool_pages=None)
-    h, d = cfg.num_kv_heads, cfg.head_dim
-    rng = np.random.default_rng(0)
-    k, v = (jnp.asarray(rng.standard_normal((context, h, d), np.float32), jnp.bfloat16)
-            for _ in range(2))
-    cache = HiSparseCache(cfg, "xla")
-    cache.prefill(0, k, v)
-    st = cache.state
-    q = jnp.asarray(rng.standard_normal((1, cfg.num_q_heads, d), np.float32))
-    kd, vd = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
-
-    def dense():
-        return attention.dense_decode_attention(q, kd, vd, jnp.array([context]))
+    st, q, dense = random_decode_case(cfg, context)
     fns = []
     for m in multiples:
         c = cfg.replace(rerank_multiple=m)

@@ -131,6 +131,15 @@ def summarize(rows, recalls, name, **extra):
     return out
 
 
+def config_overrides(pairs) -> dict:
+    """--set FIELD=VALUE ... -> HiSparseConfig overrides (ints, or floats with a '.')."""
+    over = {}
+    for kv in pairs:
+        key, val = kv.split("=")
+        over[key] = float(val) if "." in val else int(val)
+    return over
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,10 +158,7 @@ def main(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="config overrides (e.g. rerank_multiple=1)")
     args = p.parse_args(argv)
-    over = {}
-    for kv in args.set:
-        key, val = kv.split("=")
-        over[key] = float(val) if "." in val else int(val)
+    over = config_overrides(args.set)
     if args.qkv:
         data = np.load(args.qkv)
         cases = [(args.qkv, data["q"], data["k"], data["v"], {})]

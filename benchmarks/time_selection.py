@@ -15,12 +15,10 @@ import argparse
 import importlib.util
 import json
 
-import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import attention
-from hisparse_jax.bench import _time_interleaved
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.bench import _time_interleaved, random_decode_case
 from hisparse_jax.config import preset
 
 
@@ -32,15 +30,7 @@ def main(argv=None):
     p.add_argument("--baseline", help="path of an older attention.py")
     args = p.parse_args(argv)
     cfg = preset("default").replace(max_context=args.context, max_seqs=1, num_pool_pages=None)
-    h, d = cfg.num_kv_heads, cfg.head_dim
-    rng = np.random.default_rng(0)
-    k, v = (jnp.asarray(rng.standard_normal((args.context, h, d), np.float32), jnp.bfloat16)
-            for _ in range(2))
-    cache = HiSparseCache(cfg, "xla")
-    cache.prefill(0, k, v)
-    st = cache.state
-    q = jnp.asarray(rng.standard_normal((1, cfg.num_q_heads, d), np.float32))
-    kd, vd = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
+    st, q, dense = random_decode_case(cfg, args.context)
     if args.baseline:
         spec = importlib.util.spec_from_file_location("attention_baseline", args.baseline)
         base = importlib.util.module_from_spec(spec)
@@ -49,9 +39,6 @@ def main(argv=None):
     else:
         off = cfg.replace(peak_pages=0)
         before = lambda: attention.decode_attention(off, st, q, implementation="xla")
-
-    def dense():
-        return attention.dense_decode_attention(q, kd, vd, jnp.array([args.context]))
     fns = [dense, before, dense, lambda: attention.decode_attention(cfg, st, q,
                                                                     implementation="xla")]
     times = [ms for ms, _ in _time_interleaved(fns, args.repeats)]

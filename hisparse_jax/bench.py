@@ -33,6 +33,25 @@ def _time_interleaved(fns, repeats):
     return [(statistics.median(ts), ts) for ts in times]
 
 
+def random_decode_case(cfg, context: int, *, seed: int = 0):
+    """Random bf16 K/V of `context` tokens in every one of cfg.max_seqs slots (XLA
+    path): (the filled cache's state, q [B, Hq, D], dense() -> exact attention over
+    the same K/V in a dense bf16 cache). Speed does not depend on content:
+    selection always reads every digest and the budget's pages."""
+    batch, h, d = cfg.max_seqs, cfg.num_kv_heads, cfg.head_dim
+    rng = np.random.default_rng(seed)
+    cache = HiSparseCache(cfg, implementation="xla")
+    k_all = jnp.asarray(rng.standard_normal((batch, context, h, d), np.float32), jnp.bfloat16)
+    v_all = jnp.asarray(rng.standard_normal((batch, context, h, d), np.float32), jnp.bfloat16)
+    for b in range(batch):
+        cache.prefill(b, k_all[b], v_all[b])
+    q = jnp.asarray(rng.standard_normal((batch, cfg.num_q_heads, d), np.float32))
+    k_dense = k_all.transpose(0, 2, 1, 3)  # [B, Hkv, S, D] bf16: a dense bf16 cache
+    v_dense = v_all.transpose(0, 2, 1, 3)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    return cache.state, q, lambda: dense_decode_attention(q, k_dense, v_dense, lengths)
+
+
 def bench_attention(context: int, *, preset_name: str = "default", batch: int = 1,
                     repeats: int = 7, seed: int = 0, tail_sample_pages: int | None = None,
                     rerank_multiple: float | None = None, log=None) -> dict:
@@ -50,25 +69,13 @@ def bench_attention(context: int, *, preset_name: str = "default", batch: int = 
         cfg = cfg.replace(tail_sample_pages=tail_sample_pages)
     if rerank_multiple is not None:
         cfg = cfg.replace(rerank_multiple=rerank_multiple)
-    rng = np.random.default_rng(seed)
-    h, d = cfg.num_kv_heads, cfg.head_dim
-    log(f"building a {context}-token cache ({batch} x {h} KV heads, head_dim {d}) ...")
-    cache = HiSparseCache(cfg, implementation="xla")
-    k_all = jnp.asarray(rng.standard_normal((batch, context, h, d), np.float32), jnp.bfloat16)
-    v_all = jnp.asarray(rng.standard_normal((batch, context, h, d), np.float32), jnp.bfloat16)
-    for b in range(batch):
-        cache.prefill(b, k_all[b], v_all[b])
-    q = jnp.asarray(rng.standard_normal((batch, cfg.num_q_heads, d), np.float32))
-    k_dense = k_all.transpose(0, 2, 1, 3)  # [B, Hkv, S, D] bf16: a dense bf16 cache
-    v_dense = v_all.transpose(0, 2, 1, 3)
-    del k_all, v_all
-    lengths = jnp.full((batch,), context, jnp.int32)
-    state = cache.state
+    log(f"building a {context}-token cache ({batch} x {cfg.num_kv_heads} KV heads, "
+        f"head_dim {cfg.head_dim}) ...")
+    state, q, dense = random_decode_case(cfg, context, seed=seed)
 
     log(f"timing dense and hisparse, {repeats} interleaved calls each ...")
     (dense_ms, dense_all), (sparse_ms, sparse_all) = _time_interleaved(
-        [lambda: dense_decode_attention(q, k_dense, v_dense, lengths),
-         lambda: decode_attention(cfg, state, q, implementation="xla")], repeats)
+        [dense, lambda: decode_attention(cfg, state, q, implementation="xla")], repeats)
     return {
         "case": f"decode_{context}_b{batch}", "context": context, "batch": batch,
         "preset": preset_name, "tail_sample_pages": cfg.tail_sample_pages,

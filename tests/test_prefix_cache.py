@@ -9,6 +9,7 @@ from hypothesis import strategies as hs
 from hisparse_jax.cache import CacheFullError, HiSparseCache
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.prefix import PrefixIndex
+from tests.helpers import check_page_accounting
 
 
 def _kv_for(tokens, hkv=2, d=64):
@@ -160,20 +161,7 @@ def test_page_accounting_never_leaks_or_aliases(ops):
                 cache._make_room(cache.num_free + 1 if cache.num_free < cfg.pool_pages else 0)
         except CacheFullError:
             pass
-        # Accounting: device refcounts equal page-table references + index holdings.
-        st = cache.state
-        table = np.asarray(st.page_table)
-        expect = np.zeros(cfg.pool_pages, np.int64)
-        np.add.at(expect, table[table >= 0], 1)
-        for p in cache.prefix.live_pages():
-            expect[p] += 1
-        np.testing.assert_array_equal(np.asarray(st.refcount), expect)
-        nfree = int(st.num_free)
-        assert nfree == cache.num_free
-        free = np.asarray(st.free_pages)[:nfree]
-        assert len(set(free.tolist())) == nfree  # no page twice on the stack
-        assert not (set(free.tolist()) & set(np.flatnonzero(expect).tolist()))  # no aliasing
-        assert nfree + np.count_nonzero(expect) == cfg.pool_pages  # nothing leaks
+        check_page_accounting(cache)  # refcounts, free stack, num_free: no leak, no alias
     # Every live sequence attends exactly as a fresh cache given the same prefill and
     # the same appends (shared pages hold the same bytes it would have encoded).
     q = np.random.default_rng(9).normal(size=(cfg.max_seqs, cfg.num_q_heads, 64)).astype(np.float32)
