@@ -213,8 +213,14 @@ def test_engine_errors(tiny):
         e.prefill(0, [1] * 32)
     with pytest.raises(ValueError, match="prompt is empty"):
         e.prefill(0, [])
-    with pytest.raises(ValueError, match=r"slot must be an int in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"slot must be an int >= 0 and <= 1, got 2"):
         e.prefill(2, [1])
+    with pytest.raises(ValueError, match="slot must be an int"):  # a bool is no slot
+        e.prefill(True, [1])
+    with pytest.raises(ValueError, match="integer token ids"):  # never truncated
+        e.prefill(0, [1.5, 2.0])
+    with pytest.raises(ValueError, match="active must be a bool array"):
+        e.decode_step(["no", "no"])
     with pytest.raises(ValueError, match=r"prompt ids must be in \[0, 300\)"):
         e.prefill(0, [1, 300])
     with pytest.raises(ValueError, match=r"slots \[1\] are empty"):

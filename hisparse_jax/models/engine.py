@@ -30,6 +30,7 @@ from hisparse_jax import state as st
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
+from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids
 from pallas_kernels.quant import FP8_DTYPE
 
 ATTENTIONS = ("hisparse", "dense")
@@ -161,10 +162,8 @@ class Engine:
         mc = model.cfg
         if max_context is None:
             max_context = mc.max_position
-        if not (isinstance(max_context, int) and max_context >= 1):
-            raise ValueError(f"max_context={max_context!r}: must be a positive int")
-        if not (isinstance(max_seqs, int) and max_seqs >= 1):
-            raise ValueError(f"max_seqs={max_seqs!r}: must be a positive int")
+        max_context = check_int("max_context", max_context, minimum=1)
+        max_seqs = check_int("max_seqs", max_seqs, minimum=1)
         self.model = model
         self.attention = attention
         self.max_seqs, self.max_context = max_seqs, max_context
@@ -199,15 +198,14 @@ class Engine:
                 jnp.asarray([p.top_p for p in ps], jnp.float32),
                 jnp.asarray([p.seed for p in ps], jnp.uint32))
 
-    def _check_slot(self, slot):
-        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.max_seqs):
-            raise ValueError(f"slot must be an int in [0, {self.max_seqs}), got {slot!r}")
+    def _check_slot(self, slot) -> int:
+        return check_int("slot", slot, minimum=0, maximum=self.max_seqs - 1)
 
     def prefill(self, slot: int, ids, sampling: SamplingParams = GREEDY) -> int:
         """Empty `slot` and fill it with prompt `ids`; returns the first generated
         token (the logits are left in `self.logits`, shape [V])."""
-        self._check_slot(slot)
-        ids = np.asarray(ids, np.int64).reshape(-1)
+        slot = self._check_slot(slot)
+        ids = check_token_ids("ids", ids)
         n = ids.shape[0]
         if n == 0:
             raise ValueError("prompt is empty: prefill needs at least one token")
@@ -231,8 +229,8 @@ class Engine:
         """Append each active slot's last token, attend, sample: next tokens [B]
         (inactive slots keep their last token). active: [B] bool, default all
         slots holding a sequence."""
-        active = (self.lens > 0) if active is None else np.asarray(active, bool).reshape(
-            self.max_seqs)
+        active = (self.lens > 0) if active is None else check_bool_mask("active", active,
+                                                                        self.max_seqs)
         if np.any(active & (self.lens == 0)):
             raise ValueError(f"slots {np.flatnonzero(active & (self.lens == 0)).tolist()} "
                              "are empty: prefill them first")
@@ -250,7 +248,7 @@ class Engine:
 
     def release(self, slot: int):
         """Empty `slot` (a HiSparse cache frees its cold pages)."""
-        self._check_slot(slot)
+        slot = self._check_slot(slot)
         if self.cache_cfg is not None:
             self.caches = _release(self.cache_cfg, self.caches, jnp.int32(slot))
         self.lens[slot] = 0

@@ -19,6 +19,7 @@ from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
 from hisparse_jax.models.tokenizer import Tokenizer
+from hisparse_jax.validate import is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +156,7 @@ def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: i
     text is not emitted). Pass `engine` to reuse one (slot 0; its attention and
     context apply); otherwise one is built for this request, its context
     `max_context` (default: room for prompt + max_tokens, at most the model's)."""
-    if not (isinstance(max_tokens, int) and max_tokens >= 1):
+    if not (is_int(max_tokens) and max_tokens >= 1):
         raise ValueError(f"max_tokens={max_tokens!r}: must be a positive int")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     ids = prompt_ids(tokenizer, prompt, chat)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hisparse_jax.validate import is_int, is_number
+
 ROPE_KINDS = ("linear", "llama3", "yarn")
 
 
@@ -48,9 +50,9 @@ class RopeScaling:
     def __post_init__(self):
         if self.kind not in ROPE_KINDS:
             raise ValueError(f"RopeScaling.kind={self.kind!r}: must be one of {ROPE_KINDS}")
-        if not (isinstance(self.factor, (int, float)) and self.factor >= 1):
+        if not (is_number(self.factor) and self.factor >= 1):
             raise ValueError(f"RopeScaling.factor={self.factor!r}: must be a number >= 1")
-        if not (isinstance(self.original_max_position, int) and self.original_max_position >= 1):
+        if not (is_int(self.original_max_position) and self.original_max_position >= 1):
             raise ValueError(f"RopeScaling.original_max_position={self.original_max_position!r}: "
                              "must be a positive int")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
@@ -79,14 +81,14 @@ class LlamaConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position"):
             v = getattr(self, f)
-            if not (isinstance(v, int) and v >= 1):
+            if not (is_int(v) and v >= 1):
                 raise ValueError(f"LlamaConfig.{f}={v!r}: must be a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"LlamaConfig: num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim={self.head_dim}: must be even (RoPE pairs)")
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1):
+        if not (is_number(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"LlamaConfig.rope_theta={self.rope_theta!r}: must be a number > 1")
         if not (isinstance(self.rms_norm_eps, float) and self.rms_norm_eps > 0):
             raise ValueError(f"LlamaConfig.rms_norm_eps={self.rms_norm_eps!r}: must be a float > 0")

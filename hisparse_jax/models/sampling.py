@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hisparse_jax.validate import is_int, is_number
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -24,14 +26,14 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        if not (is_number(self.temperature) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k={self.top_k!r}: must be an int >= 0")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+        if not (is_int(self.seed) and 0 <= self.seed < 2**32):
             raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**32)")
 
 GREEDY = SamplingParams()
