@@ -144,3 +144,28 @@ def test_sampling_params_through_engine(model, hisparse):
     greedy = hisparse.prefill(0, ids)
     assert hisparse.prefill(0, ids, SamplingParams(temperature=0.8, top_k=1, seed=5)) == greedy
     hisparse.release(0)
+
+
+def test_prefill_kv_and_teacher_forcing_equal_prefill(model):
+    """One dense prefill seeds a HiSparse cache (`kv` -> `prefill_kv`): the decode
+    logits are bit-equal to the engine's own prefill, and forced inputs are used."""
+    m, _ = model
+    ids = np.random.default_rng(3).integers(0, 2000, 333)  # not a page multiple
+    dense = Engine(m, max_context=512, attention="dense")
+    own = Engine(m, max_context=512, attention="hisparse", budget_tokens=64)
+    seeded = Engine(m, max_context=512, attention="hisparse", budget_tokens=64)
+    first = dense.prefill(0, ids)
+    assert own.prefill(0, ids) == first
+    seeded.prefill_kv(0, *dense.kv(0), first)
+    forced = np.random.default_rng(4).integers(0, 2000, 4)
+    for i in range(6):
+        step = {} if i < 2 else {"tokens": forced[i - 2:i - 1]}
+        assert np.array_equal(own.decode_step(**step), seeded.decode_step(**step))
+        assert np.array_equal(np.asarray(own.logits), np.asarray(seeded.logits))
+    assert own.lens[0] == seeded.lens[0] == 339
+    with pytest.raises(ValueError, match="dense engine"):
+        own.kv(0)
+    with pytest.raises(ValueError, match="expected"):
+        seeded.prefill_kv(0, *(x[:, :, :2] for x in dense.kv(0)), first)
+    with pytest.raises(ValueError, match="tokens"):
+        own.decode_step(tokens=np.array([1.5]))

@@ -118,6 +118,15 @@ def _prefill(params, caches, slot, ids, length, samp, *, graphdef, hcfg, impleme
     return tok[0], logits[0], caches
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length):
+    """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16)."""
+    def one(cache, k, v):
+        cache = st.release(hcfg, _live(hcfg, cache), slot)
+        return _stored(st.prefill(hcfg, cache, slot, k, v, length))
+    return jax.vmap(one)(caches, k, v)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
                    donate_argnames="caches")
 def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation):
@@ -225,12 +234,59 @@ class Engine:
         self.tokens[slot] = int(tok)
         return int(tok)
 
-    def decode_step(self, active=None) -> np.ndarray:
+    def kv(self, slot: int) -> tuple[jax.Array, jax.Array]:
+        """A dense engine's K/V of `slot`'s tokens: two [L, n, Hkv, D] bf16 arrays
+        (what `prefill_kv` takes), so one exact prefill can seed several caches."""
+        slot = self._check_slot(slot)
+        if self.cache_cfg is not None:
+            raise ValueError("kv() reads a dense engine's cache (attention='dense')")
+        n = int(self.lens[slot])
+        return tuple(c[:, slot, :, :n].transpose(0, 2, 1, 3) for c in self.caches)
+
+    def prefill_kv(self, slot: int, k, v, next_token: int,
+                   sampling: SamplingParams = GREEDY):
+        """Fill `slot` with a prompt whose K/V [L, n, Hkv, D] were computed elsewhere
+        (another engine's exact prefill: `kv`); `next_token` is the token that
+        prefill sampled, the next decode step's input. Equal to `prefill` on the
+        same prompt, without running the model."""
+        slot = self._check_slot(slot)
+        if self.cache_cfg is None:
+            raise ValueError("prefill_kv fills a HiSparse cache (attention='hisparse')")
+        mc = self.model.cfg
+        want = (mc.num_layers, None, mc.num_kv_heads, mc.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 4 or any(w is not None and w != g for w, g in zip(want, x.shape)):
+                raise ValueError(f"{name}: expected [L={want[0]}, n, Hkv={want[2]}, "
+                                 f"D={want[3]}], got {tuple(x.shape)}")
+        n = k.shape[1]
+        if v.shape != k.shape:
+            raise ValueError(f"v {tuple(v.shape)} does not match k {tuple(k.shape)}")
+        if not 0 < n < self.max_context:
+            raise ValueError(f"prompt of {n} tokens does not fit max_context={self.max_context}")
+        next_token = check_int("next_token", next_token, minimum=0,
+                               maximum=mc.vocab_size - 1)
+        pad = prefill_length(n) - n
+        pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
+                                                                   (0, 0)))
+        self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), pad_to(k),
+                                  pad_to(v), jnp.int32(n))
+        self.sampling[slot] = sampling
+        self.lens[slot] = n
+        self.tokens[slot] = next_token
+
+    def decode_step(self, active=None, tokens=None) -> np.ndarray:
         """Append each active slot's last token, attend, sample: next tokens [B]
         (inactive slots keep their last token). active: [B] bool, default all
-        slots holding a sequence."""
+        slots holding a sequence. tokens [B]: the inputs instead of the last
+        sampled tokens (teacher forcing: scoring a text)."""
         active = (self.lens > 0) if active is None else check_bool_mask("active", active,
                                                                         self.max_seqs)
+        if tokens is not None:
+            tokens = check_token_ids("tokens", tokens)
+            if tokens.shape != (self.max_seqs,) or tokens.max() >= self.model.cfg.vocab_size:
+                raise ValueError(f"tokens: expected {self.max_seqs} ids below "
+                                 f"{self.model.cfg.vocab_size}, got shape {tokens.shape}")
+            self.tokens = np.where(active, tokens, self.tokens).astype(np.int32)
         if np.any(active & (self.lens == 0)):
             raise ValueError(f"slots {np.flatnonzero(active & (self.lens == 0)).tolist()} "
                              "are empty: prefill them first")
