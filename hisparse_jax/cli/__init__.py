@@ -96,6 +96,8 @@ def build_parser() -> Parser:
     kn.set_defaults(func=commands.cmd_bench_kernels)
 
     debug_flag(add_scheduler_bench_parser(bsub))
+    from hisparse_jax.models.cli import add_model_bench_parsers
+    debug_flag(add_model_bench_parsers(bsub))
     debug_flag(add_capacity_parser(sub))
     from hisparse_jax.models.cli import add_model_parsers
     n = len(sub.choices)

@@ -1,34 +1,42 @@
-"""Prefill and decode speed of a model through HiSparse and dense attention.
+"""`hisparse bench generate`: prefill and decode speed of a model through HiSparse
+and dense attention, with llama.cpp on the same GGUF beside them, in one run.
 
-    python -m hisparse_jax.models.bench --contexts 512 2048 --batches 1 8
+    hisparse bench generate --model smollm2-135m --context 512,2048,8000 --batch 1,8
 
-One JSON line per (attention, context, batch): every slot is prefilled with a
-`context`-token prompt (English filler), then `--decode` tokens are decoded for
-all slots at once. Compiling is done first (`Engine.warmup`) and not timed.
-prefill_tok_s counts the prompt tokens of all slots (they are prefilled one
-after another); decode_tok_s counts generated tokens over all slots.
+One row per (context, batch, engine). Every slot is prefilled with a
+`context`-token prompt (the passkey filler: English text), then `decode` tokens
+are decoded for all slots at once. Compiling is done first (`Engine.warmup`) and
+is not timed. prefill_tok_s counts the prompt tokens of all slots (prefilled one
+after another); decode_tok_s counts the generated tokens of all slots.
+
+llama.cpp (`llama-cpp-python`, the `llamacpp` extra) runs one sequence with
+`threads` threads: its rows have batch 1, and their decode_tok_s is what 8
+sequences one after another would total too.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
-          "Here we go. There and back again. ")
+from hisparse_jax.models.prompts import FILLER
+
+ENGINES = ("hisparse", "dense", "llamacpp")
 
 
-def measure(model, tok, attention: str, context: int, batch: int, decode: int,
-            budget_tokens: int = 2048) -> dict:
-    from hisparse_jax.models.engine import Engine
+def prompt(tok, vocab_size: int, context: int) -> np.ndarray:
     if tok is None:  # random weights: any ids will do
-        ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, context)
-    else:
-        ids = tok.encode(FILLER * (context // 8 + 8))[:context]
+        return np.random.default_rng(0).integers(0, vocab_size, context)
+    ids = np.asarray(tok.encode((FILLER + " ") * (context // 16 + 16)))
+    return ids[:context]
+
+
+def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: int) -> dict:
+    from hisparse_jax.models.engine import Engine
+    context = len(ids)
     engine = Engine(model, max_seqs=batch, max_context=context + decode + 1,
                     attention=attention, budget_tokens=budget_tokens)
     compile_s = engine.warmup(context)
@@ -39,33 +47,73 @@ def measure(model, tok, attention: str, context: int, batch: int, decode: int,
     for _ in range(decode):
         engine.decode_step()
     t2 = time.perf_counter()
-    return {"attention": attention, "context": context, "batch": batch,
+    return {"engine": attention, "context": context, "batch": batch,
             "budget_tokens": budget_tokens if attention == "hisparse" else None,
             "prefill_tok_s": round(batch * context / (t1 - t0), 1),
-            "decode_tok_s": round(batch * decode / (t2 - t1), 1),
+            "decode_tok_s": round(batch * decode / (t2 - t1), 2),
             "decode_ms_per_step": round(1e3 * (t2 - t1) / decode, 1),
-            "compile_s": round(compile_s, 1), "capacity": engine.capacity_line(),
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
+            "compile_s": round(compile_s, 1), "capacity": engine.capacity_line()}
 
 
-def main(argv=None):
-    from hisparse_jax.models.registry import load
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--attention", nargs="+", default=["hisparse", "dense"],
-                   choices=["hisparse", "dense"])
-    p.add_argument("--decode", type=int, default=32, help="decode steps timed")
-    p.add_argument("--budget-tokens", type=int, default=2048)
-    args = p.parse_args(argv)
-    model, tok = load(args.model)
-    for context in args.contexts:
-        for batch in args.batches:
-            for attention in args.attention:
-                print(json.dumps(measure(model, tok, attention, context, batch, args.decode,
-                                         args.budget_tokens)), flush=True)
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-if __name__ == "__main__":
-    main()
+def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
+    # llama.cpp's OpenMP threads spin between tokens by default, which on 2 shared
+    # cores slows everything else (and llama.cpp itself) by 2-3x.
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    import llama_cpp
+    context = len(ids)
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=context + decode + 8, n_batch=512,
+                          n_threads=threads, n_threads_batch=threads, logits_all=False,
+                          verbose=False, seed=0)
+    ids = [int(i) for i in ids]
+    llm.eval(ids[:64])  # warm-up, untimed
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    for i in range(decode):  # the inputs' values do not change the work
+        llm.eval([ids[i % context]])
+    t2 = time.perf_counter()
+    del llm
+    return {"engine": "llamacpp", "context": context, "batch": 1, "budget_tokens": None,
+            "prefill_tok_s": round(context / (t1 - t0), 1),
+            "decode_tok_s": round(decode / (t2 - t1), 2),
+            "decode_ms_per_step": round(1e3 * (t2 - t1) / decode, 1),
+            "compile_s": 0.0, "capacity": f"llama.cpp {llama_cpp.__version__}, "
+                                          f"{threads} threads, f16 KV cache"}
+
+
+def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
+        budget_tokens: int | None = None, threads: int = 2, log=print) -> Iterator[dict]:
+    """Rows, one per (context, batch, engine); llama.cpp once per context (batch 1).
+    budget_tokens None: a 16th of each context (a multiple of 16, at least 64)."""
+    from hisparse_jax.models.registry import load, resolve
+    src = resolve(model_name)
+    if "llamacpp" in engines:
+        why = (f"{model_name} is not a GGUF model" if src.kind != "gguf" else
+               None if llamacpp_available() else "llama-cpp-python is not installed "
+               "(the llamacpp extra)")
+        if why:
+            log(f"llama.cpp skipped: {why}")
+            engines = tuple(e for e in engines if e != "llamacpp")
+    model, tok = load(model_name)
+    for context in contexts:
+        ids = prompt(tok, model.cfg.vocab_size, context)
+        budget = budget_tokens or max(64, context // 16 // 16 * 16)
+        for batch in batches:
+            for engine in engines:
+                if engine == "llamacpp":
+                    if batch != min(batches):
+                        continue
+                    row = measure_llamacpp(str(src.path), ids, decode, threads)
+                else:
+                    row = measure(model, ids, engine, batch, decode, budget)
+                row.update(model=model_name, load_avg_1m=round(os.getloadavg()[0], 2))
+                yield row

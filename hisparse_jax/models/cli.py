@@ -1,5 +1,7 @@
-"""`hisparse fetch | generate | export`: the model commands. `add_model_parsers(sub)`
-adds them to the `hisparse` parser's subparsers (each sets `func`).
+"""`hisparse fetch | generate | export` and `hisparse bench generate`: the model
+commands. `add_model_parsers(sub)` adds the first three to the `hisparse`
+parser's subparsers, `add_model_bench_parsers(bsub)` the last to `bench`'s (each
+sets `func`).
 
 Errors are `CLIError`s naming the flag and value: `hisparse_jax.cli.main` prints
 them as one line, `hisparse <cmd>: error: ...`, and exits with code 2.
@@ -9,7 +11,14 @@ from __future__ import annotations
 
 import sys
 
-from hisparse_jax.cli.args import CLIError, budget_tokens, nonnegative_int, number, positive_int
+from hisparse_jax.cli.args import (
+    CLIError,
+    budget_tokens,
+    int_list,
+    nonnegative_int,
+    number,
+    positive_int,
+)
 
 
 def _fail(cmd: str, message):
@@ -81,6 +90,63 @@ def main_export(args):
         print(export_hf(model, args.dir, tok))
     except (ValueError, OSError) as e:
         _fail("export", e)
+
+
+def main_bench_generate(args):
+    import json
+
+    from hisparse_jax.config import FULL_BUDGET
+    from hisparse_jax.models.bench import ENGINES, run
+    engines = tuple(args.engines.split(","))
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        _fail("bench generate", f"--engines {args.engines}: choose from {','.join(ENGINES)}")
+    if args.budget_tokens == FULL_BUDGET:
+        _fail("bench generate", "--budget-tokens all: give a number (default: a 16th of "
+                                "the context)")
+    if args.budget_tokens is not None and args.budget_tokens % 16:
+        _fail("bench generate", f"--budget-tokens {args.budget_tokens}: must be a multiple "
+                                "of 16 (the page size)")
+    if min(args.context) < 64:
+        _fail("bench generate", f"--context {min(args.context)}: at least 64 tokens")
+    cols = ("engine", "context", "batch", "budget_tokens", "prefill_tok_s", "decode_tok_s",
+            "decode_ms_per_step", "compile_s")
+    if not args.json:
+        print(" ".join(f"{c:>14}" for c in cols))
+    try:
+        for row in run(args.model, args.context, args.batch, engines, args.decode,
+                       args.budget_tokens, args.threads, log=_log):
+            row["command"] = args.command_line
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(" ".join(f"{'-' if row[c] is None else row[c]!s:>14}" for c in cols),
+                      flush=True)
+    except (ValueError, OSError) as e:
+        _fail("bench generate", e)
+
+
+def add_model_bench_parsers(bench_subparsers):
+    """Adds `generate` to the `hisparse bench` subparsers; returns its parser."""
+    from hisparse_jax.models.registry import MODELS
+    b = bench_subparsers.add_parser(
+        "generate", help="model prefill/decode tok/s: HiSparse, dense and llama.cpp")
+    b.add_argument("--model", default="smollm2-135m",
+                   help=f"a name ({', '.join(sorted(MODELS))}), a .gguf file or an HF folder")
+    b.add_argument("--context", type=int_list(1), default=[512, 2048], metavar="N,M,...",
+                   help="prompt tokens per sequence")
+    b.add_argument("--batch", type=int_list(1), default=[1, 8], metavar="N,M,...",
+                   help="sequences decoded together")
+    b.add_argument("--engines", default="hisparse,dense,llamacpp", metavar="E,F,...",
+                   help="hisparse, dense and llamacpp (where llama-cpp-python is installed)")
+    b.add_argument("--decode", type=positive_int, default=32, metavar="N",
+                   help="decode steps timed")
+    b.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
+                   help="HiSparse cold tokens per KV head (default: a 16th of the context)")
+    b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
+    b.add_argument("--json", action="store_true", help="one JSON line per row")
+    b.set_defaults(func=main_bench_generate)
+    return b
 
 
 def add_model_parsers(subparsers):
