@@ -1,0 +1,270 @@
+"""End-to-end quality of a real model through HiSparse against dense attention:
+the same model, the same prompts, one run (issue 14).
+
+    python benchmarks/model_quality.py passkey --lengths 2048 4096 7500 --examples 16 \\
+        --out passkey.jsonl
+    python benchmarks/model_quality.py nexttoken --tokens 6144 --score-from 2048 \\
+        --out nexttoken.jsonl
+    python benchmarks/model_quality.py passkey --lengths 16384 32768 --examples 4 \\
+        --rope-scaling llama3:4 --out rope.jsonl
+
+passkey: the prompt of hisparse_jax/models/prompts.py (raw completion, greedy), the
+needle at depths spread evenly over 0.1-0.9, a seeded 5-digit key per example.
+Each prompt is prefilled once, exactly (a dense engine), and that K/V seeds every
+HiSparse cache (`Engine.prefill_kv`, bit-equal to their own prefill); then each
+configuration decodes 8 tokens: dense, HiSparse at cold budgets of 1/16 and 1/32
+of the context, and sink + window (no cold page attended: 16 sink tokens and the
+newest 512).
+
+nexttoken: real text from this machine's own files (licence texts and Python's
+own documentation and source; see DOCS), cut to `--tokens` tokens. Teacher
+forced: dense logits at every position come from one exact forward pass; each
+HiSparse configuration starts from the first `--score-from` tokens' K/V and
+decodes the rest of the text one token at a time (`decode_step(tokens=...)`,
+the four documents in four slots). Scored at every position from `--score-from`
+on: top-1 agreement with dense and mean KL(dense || HiSparse) in nats. "all" (every
+cold page attended) is the quantization's share alone.
+
+One JSON line per example / per (document, configuration); a summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from hisparse_jax import attention as att
+from hisparse_jax.config import FULL_BUDGET
+from hisparse_jax.models.engine import Engine
+from hisparse_jax.models.llama import RopeScaling
+from hisparse_jax.models.prompts import passkey, passkey_hit
+from hisparse_jax.models.registry import load
+
+ANSWER_TOKENS = 8
+SINK_WINDOW = {"attention": "hisparse", "budget_tokens": 0,
+               "cache_overrides": {"tail_sample_pages": 0, "rerank_sample_pages": 0}}
+
+
+def configs(context: int, fractions) -> dict[str, dict]:
+    """name -> Engine keyword arguments (attention, budget_tokens, cache_overrides)."""
+    out = {"dense": {"attention": "dense"}}
+    for f in fractions:
+        out[f"1/{f}"] = {"attention": "hisparse", "budget_tokens": context // f // 16 * 16}
+    return out
+
+
+def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
+    """The longest passkey prompt of at most `length` tokens."""
+    lo, hi = 1, length  # filler lines: binary search on the token count
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tok.encode(passkey(mid, depth, key))) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return tok.encode(passkey(lo, depth, key))
+
+
+def run_passkey(model, tok, args, out):
+    rng = np.random.default_rng(args.seed)
+    summary = {}
+    for length in args.lengths:
+        depths = np.linspace(0.1, 0.9, args.examples)
+        keys = rng.integers(10000, 100000, args.examples)
+        context = -(-(length + ANSWER_TOKENS + 1) // 256) * 256
+        cfgs = configs(length, args.fractions)
+        cfgs["sink+window"] = SINK_WINDOW
+        engines = {n: Engine(model, max_context=context, **kw) for n, kw in cfgs.items()}
+        hits = dict.fromkeys(cfgs, 0)
+        bar = tqdm(list(zip(depths, keys)), desc=f"passkey {length}", file=sys.stderr)
+        for depth, key in bar:
+            ids = passkey_prompt(tok, length, float(depth), int(key))
+            dense = engines["dense"]
+            first = dense.prefill(0, ids)
+            kv = dense.kv(0)
+            row = {"task": "passkey", "length": length, "tokens": len(ids),
+                   "depth": round(float(depth), 3), "key": int(key),
+                   "rope_scaling": args.rope_scaling}
+            for name, eng in engines.items():
+                if eng is not dense:
+                    eng.prefill_kv(0, *kv, first)
+                gen = [first]
+                for _ in range(ANSWER_TOKENS - 1):
+                    gen.append(int(eng.decode_step()[0]))
+                eng.release(0)
+                text = tok.decode(gen)
+                hit = passkey_hit(int(key), text)
+                hits[name] += hit
+                row[name] = {"hit": bool(hit), "text": text}
+            del kv
+            print(json.dumps(row), file=out, flush=True)
+            bar.set_postfix({n: h for n, h in hits.items()})
+        summary[length] = {n: f"{h}/{args.examples}" for n, h in hits.items()}
+        del engines
+    return summary
+
+
+# ---------------------------------------------------------------- next-token agreement
+
+def _stdlib(name: str) -> str:
+    return os.path.join(sysconfig.get_paths()["stdlib"], name)
+
+
+# (name, path, licence): real English prose and code every machine of this kind has.
+DOCS = [
+    ("GPL-3", "/usr/share/common-licenses/GPL-3", "GPL-3 text: verbatim copying permitted"),
+    ("pydoc_topics", _stdlib("pydoc_data/topics.py"), "PSF-2.0 (Python's documentation)"),
+    ("idlelib_NEWS", _stdlib("idlelib/NEWS.txt"), "PSF-2.0 (IDLE's change log)"),
+    ("argparse.py", _stdlib("argparse.py"), "PSF-2.0 (Python's standard library)"),
+]
+
+
+@jax.jit
+def _logprobs(logits):
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def exact_logprobs(model, ids: np.ndarray, start: int) -> np.ndarray:
+    """log-softmax of the logits at positions start..T-2 [T-1-start, V]: one exact
+    causal forward pass over bf16 K/V, as the engine's prefill attends."""
+    from flax import nnx
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def hidden(params, ids):
+        m = nnx.merge(graphdef, params)
+
+        def attend(cache, q, k, v):
+            k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+            return att.causal_prefill_attention(q, k, v, chunk=512), cache
+
+        x, _ = m.layers(m.embed_tokens(ids), jnp.arange(ids.shape[0]), None, attend)
+        return x
+
+    @jax.jit
+    def logprobs(params, x):
+        return _logprobs(nnx.merge(graphdef, params).logits(x))
+
+    padded = np.zeros(-(-len(ids) // 512) * 512, np.int32)  # causal: padding after is unseen
+    padded[:len(ids)] = ids
+    x = hidden(params, jnp.asarray(padded))
+    rows = [np.asarray(logprobs(params, x[i:i + 256]))
+            for i in range(start, len(ids) - 1, 256)]
+    return np.concatenate(rows)[:len(ids) - 1 - start]
+
+
+def run_nexttoken(model, tok, args, out):
+    docs = []
+    for name, path, licence in DOCS:
+        with open(path, encoding="utf-8") as f:
+            ids = np.asarray(tok.encode(f.read()))[:args.tokens]
+        if len(ids) < args.tokens:
+            raise SystemExit(f"{path}: only {len(ids)} tokens")
+        docs.append((name, path, licence, ids))
+    t0 = args.score_from
+    n = args.tokens - 1 - t0  # scored positions per document
+    log = lambda m: print(m, file=sys.stderr, flush=True)
+    dense_lp = []
+    for name, _, _, ids in docs:
+        log(f"exact forward: {name} ({len(ids)} tokens)")
+        dense_lp.append(exact_logprobs(model, ids, t0))
+    # The harness check: a dense engine's teacher-forced decode equals the exact
+    # forward (the same attention over the same bf16 K/V).
+    cfgs = {"all": {"attention": "hisparse", "budget_tokens": FULL_BUDGET}}
+    cfgs.update({k: v for k, v in configs(args.tokens, args.fractions).items() if k != "dense"})
+    if args.check_dense:
+        cfgs = {"dense": {"attention": "dense"}, **cfgs}
+    seed_kv = Engine(model, max_seqs=len(docs), max_context=args.tokens + 1, attention="dense")
+    kvs, firsts = [], []
+    for slot, (_, _, _, ids) in enumerate(docs):
+        firsts.append(seed_kv.prefill(slot, ids[:t0]))
+        kvs.append(seed_kv.kv(slot))
+    del seed_kv
+    summary = {}
+    for cname, kw in cfgs.items():
+        eng = Engine(model, max_seqs=len(docs), max_context=args.tokens + 1, **kw)
+        steps = n if cname != "dense" else min(n, 128)
+        for slot in range(len(docs)):
+            if cname == "dense":
+                eng.prefill(slot, docs[slot][3][:t0])
+            else:
+                eng.prefill_kv(slot, *kvs[slot], firsts[slot])
+        agree = np.zeros((len(docs), steps), bool)
+        kl = np.zeros((len(docs), steps))
+        t = time.perf_counter()
+        for i in tqdm(range(steps), desc=f"nexttoken {cname}", file=sys.stderr):
+            eng.decode_step(tokens=np.array([d[3][t0 + i] for d in docs]))
+            lp = np.asarray(_logprobs(eng.logits))
+            for j in range(len(docs)):
+                p = dense_lp[j][i]
+                agree[j, i] = np.argmax(lp[j]) == np.argmax(p)
+                kl[j, i] = float(np.sum(np.exp(p) * (p - lp[j])))
+        secs = time.perf_counter() - t
+        for j, (name, path, licence, _) in enumerate(docs):
+            print(json.dumps({"task": "nexttoken", "doc": name, "path": path, "licence": licence,
+                              "config": cname, "tokens": args.tokens, "score_from": t0,
+                              "positions": steps, "top1_agreement": round(agree[j].mean(), 5),
+                              "mean_kl_nats": round(kl[j].mean(), 6),
+                              "p99_kl_nats": round(float(np.quantile(kl[j], 0.99)), 5),
+                              "max_kl_nats": round(kl[j].max(), 4),
+                              "budget_tokens": eng.cache_cfg.budget_tokens if eng.cache_cfg
+                              else None}), file=out, flush=True)
+        summary[cname] = {"top1_agreement": round(agree.mean(), 5),
+                          "mean_kl_nats": round(kl.mean(), 6), "positions": int(agree.size),
+                          "decode_s": round(secs, 1)}
+        log(f"{cname}: {summary[cname]}")
+        del eng
+    return summary
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("task", choices=("passkey", "nexttoken"))
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 7500])
+    p.add_argument("--examples", type=int, default=16)
+    p.add_argument("--fractions", type=int, nargs="+", default=[16, 32],
+                   help="cold budgets: 1/F of the context")
+    p.add_argument("--tokens", type=int, default=6144, help="nexttoken: tokens per document")
+    p.add_argument("--score-from", type=int, default=2048)
+    p.add_argument("--check-dense", action="store_true",
+                   help="nexttoken: also a dense engine's decode (128 steps) against the "
+                        "exact forward")
+    p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
+                   help="e.g. llama3:4 or linear:2 (trained length: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="-")
+    args = p.parse_args(argv)
+    kw = {}
+    if args.rope_scaling:
+        kind, factor = args.rope_scaling.split(":")
+        model, _ = load(args.model)
+        trained = model.cfg.max_position
+        kw = {"rope_scaling": RopeScaling(kind, float(factor), trained),
+              "max_position": int(trained * float(factor))}
+    model, tok = load(args.model, **kw)
+    with contextlib.ExitStack() as stack:
+        out = sys.stdout if args.out == "-" else stack.enter_context(open(args.out, "a"))
+        t = time.perf_counter()
+        summary = (run_passkey if args.task == "passkey" else run_nexttoken)(model, tok, args,
+                                                                              out)
+        print(json.dumps({"summary": summary, "task": args.task, "model": args.model,
+                          "seconds": round(time.perf_counter() - t),
+                          "command": " ".join(["python", "benchmarks/model_quality.py",
+                                               *(argv or sys.argv[1:])])}), file=out,
+              flush=True)
+    print(json.dumps(summary, indent=1), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
