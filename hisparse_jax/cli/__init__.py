@@ -100,8 +100,11 @@ def build_parser() -> Parser:
     debug_flag(add_model_bench_parsers(bsub))
     debug_flag(add_capacity_parser(sub))
     from hisparse_jax.models.cli import add_model_parsers
+    from hisparse_jax.serving.cli import add_bench_serve_parser, add_serving_parsers
+    debug_flag(add_bench_serve_parser(bsub))
     n = len(sub.choices)
     add_model_parsers(sub)
+    add_serving_parsers(sub)
     for name in list(sub.choices)[n:]:
         debug_flag(sub.choices[name])
     return p

@@ -127,6 +127,68 @@ def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length):
     return jax.vmap(one)(caches, k, v)
 
 
+def _chunk_attention(q, ks, vs, start):
+    """Exact causal attention of one query block q [C, Hq, D] at positions
+    start..start+C (start a multiple of C) over the staged K/V [S, Hkv, D] (bf16,
+    this block's already written). The same online softmax, in the same order,
+    as `causal_prefill_attention`'s query block start // C, so a prompt prefilled
+    block by block gets the same numbers as in one program."""
+    c, hq, d = q.shape
+    hkv = ks.shape[1]
+    g = hq // hkv
+    scale = 1.0 / np.sqrt(d)
+    qi = q.astype(jnp.float32).reshape(c, hkv, g, d)
+    i = start // c
+    local = jnp.arange(c)
+
+    def body(j, carry):
+        m, l, acc = carry
+        kj = jax.lax.dynamic_slice_in_dim(ks, j * c, c).astype(jnp.float32)
+        vj = jax.lax.dynamic_slice_in_dim(vs, j * c, c).astype(jnp.float32)
+        s = jnp.einsum("qhgd,khd->hgqk", qi, kj) * scale
+        causal = (j * c + local)[None, :] <= (i * c + local)[:, None]
+        s = jnp.where(causal, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        return (m_new, l * corr + jnp.sum(p, -1),
+                acc * corr[..., None] + jnp.einsum("hgqk,khd->hgqd", p, vj))
+
+    init = (jnp.full((hkv, g, c), -jnp.inf), jnp.zeros((hkv, g, c)),
+            jnp.zeros((hkv, g, c, d)))
+    _, l, acc = jax.lax.fori_loop(0, i + 1, body, init)
+    return (acc / l[..., None]).transpose(2, 0, 1, 3).reshape(c, hq, d)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="stage")
+def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef):
+    """One block of a prompt: ids [C] at positions start..start+C -> (the token
+    sampled after row `last` [], its logits [V], stage). stage: (K, V) [L, S, Hkv,
+    D] bf16, the prompt's K/V so far; this block's are written into it."""
+    model = nnx.merge(graphdef, params)
+    c = ids.shape[0]
+
+    def attend(layer_stage, q, k, v):
+        ks, vs = layer_stage
+        ks = jax.lax.dynamic_update_slice_in_dim(ks, k.astype(jnp.bfloat16), start, 0)
+        vs = jax.lax.dynamic_update_slice_in_dim(vs, v.astype(jnp.bfloat16), start, 0)
+        return _chunk_attention(q, ks, vs, start), (ks, vs)
+
+    x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend)
+    logits = model.logits(x[last][None])
+    tok = sample(logits, (start + last + 1)[None], *(a[None] for a in samp))
+    return tok[0], logits[0], stage
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _stage_to_dense(caches, slot, k, v):
+    """Copy staged K/V [L, S, Hkv, D] into a dense cache's `slot` ([L, B, Hkv, S', D])."""
+    s = caches[0].shape[3]
+    put = lambda c, x: jax.lax.dynamic_update_slice(
+        c, x[:, :s].transpose(0, 2, 1, 3)[:, None], (0, slot, 0, 0, 0))
+    return put(caches[0], k), put(caches[1], v)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
                    donate_argnames="caches")
 def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation):
@@ -195,6 +257,9 @@ class Engine:
         self.tokens = np.zeros(max_seqs, np.int32)  # each slot's last token (next input)
         self.sampling = [GREEDY] * max_seqs
         self.logits = None  # the last program's logits (device array)
+        self._stage = None        # chunked prefill's bf16 K/V (prefill_chunk), made on first use
+        self._stage_slot = None   # the slot whose prompt is staged
+        self._staged = 0          # its tokens staged so far
 
     def _static(self):
         return {"graphdef": self.graphdef, "hcfg": self.cache_cfg,
@@ -214,6 +279,19 @@ class Engine:
         """Empty `slot` and fill it with prompt `ids`; returns the first generated
         token (the logits are left in `self.logits`, shape [V])."""
         slot = self._check_slot(slot)
+        ids = self._check_prompt(ids)
+        n = ids.shape[0]
+        self.sampling[slot] = sampling
+        padded = np.zeros(prefill_length(n), np.int32)
+        padded[:n] = ids
+        tok, self.logits, self.caches = _prefill(
+            self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
+            tuple(a[0] for a in self._samp([slot])), **self._static())
+        self.lens[slot] = n
+        self.tokens[slot] = int(tok)
+        return int(tok)
+
+    def _check_prompt(self, ids) -> np.ndarray:
         ids = check_token_ids("ids", ids)
         n = ids.shape[0]
         if n == 0:
@@ -224,12 +302,62 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"prompt ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
+        return ids
+
+    @staticmethod
+    def prefill_blocks(n: int) -> int:
+        """How many `prefill_chunk` calls a prompt of n tokens takes."""
+        return 1 if n <= PREFILL_CHUNK else -(-n // PREFILL_CHUNK)
+
+    def prefill_chunk(self, slot: int, ids, start: int,
+                      sampling: SamplingParams = GREEDY) -> int | None:
+        """`prefill`, one block of PREFILL_CHUNK tokens per call, so that a caller
+        can run decode steps between the blocks (the server's chunked prefill).
+        Call with start = 0, PREFILL_CHUNK, 2 * PREFILL_CHUNK, ... (the whole
+        prompt `ids` each time); after the last block the slot holds the prompt as
+        after `prefill` and the first generated token is returned (None before).
+        A prompt of one block is `prefill` itself. The blocks' K/V are staged in one
+        bf16 buffer [L, S, Hkv, D], so one slot at a time is in a chunked prefill
+        (start=0 on another slot abandons the first); the HiSparse cache is filled
+        once, from the whole prompt (as `prefill_kv`)."""
+        slot = self._check_slot(slot)
+        ids = self._check_prompt(ids)
+        n = ids.shape[0]
+        if n <= PREFILL_CHUNK:
+            if start != 0:
+                raise ValueError(f"start={start!r}: a prompt of {n} tokens is one block")
+            return self.prefill(slot, ids, sampling)
+        start = check_int("start", start, minimum=0, maximum=n - 1)
+        if start == 0:
+            self.release(slot)
+            self._stage_slot, self._staged = slot, 0
+        elif (self._stage_slot, self._staged) != (slot, start):
+            raise ValueError(f"prefill_chunk(slot={slot}, start={start}): the staged prompt "
+                             f"is slot {self._stage_slot}'s first {self._staged} tokens")
+        if self._stage is None:
+            mc = self.model.cfg
+            shape = (mc.num_layers, -(-self.max_context // PREFILL_CHUNK) * PREFILL_CHUNK,
+                     mc.num_kv_heads, mc.head_dim)
+            self._stage = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+        block = np.zeros(PREFILL_CHUNK, np.int32)
+        real = ids[start:start + PREFILL_CHUNK]
+        block[:len(real)] = real
         self.sampling[slot] = sampling
-        padded = np.zeros(prefill_length(n), np.int32)
-        padded[:n] = ids
-        tok, self.logits, self.caches = _prefill(
-            self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            tuple(a[0] for a in self._samp([slot])), **self._static())
+        tok, self.logits, self._stage = _prefill_chunk(
+            self.params, self._stage, jnp.asarray(block), jnp.int32(start),
+            jnp.int32(len(real) - 1), tuple(a[0] for a in self._samp([slot])),
+            graphdef=self.graphdef)
+        self._staged = start + len(real)
+        if self._staged < n:
+            return None
+        k, v = self._stage
+        if self.cache_cfg is None:
+            self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
+        else:
+            t = prefill_length(n)
+            self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), k[:, :t],
+                                      v[:, :t], jnp.int32(n))
+        self._stage_slot = None
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
         return int(tok)
@@ -308,6 +436,8 @@ class Engine:
         if self.cache_cfg is not None:
             self.caches = _release(self.cache_cfg, self.caches, jnp.int32(slot))
         self.lens[slot] = 0
+        if self._stage_slot == slot:  # a chunked prefill abandoned
+            self._stage_slot = None
 
     def room(self, slot: int) -> int:
         """Tokens slot `slot` can still take."""

@@ -81,35 +81,26 @@ class Generation:
             yield piece
 
     def _steps(self, engine, tokenizer, ids, max_tokens, sampling, stops, eos):
-        stream = tokenizer.stream() if tokenizer is not None else None
+        text = TextStream(tokenizer, stops, eos)
         t0 = time.perf_counter()
         token = engine.prefill(0, ids, sampling)
         t1 = time.perf_counter()
-        n, finish, pending = 0, "length", ""
+        n, finish = 0, "length"
         while True:
             n += 1
-            if token in eos:
-                yield Piece(token, "")
-                finish = "eos"
+            piece, done = text.push(token)
+            yield Piece(token, piece)
+            if done:
+                finish = done
                 break
-            if stream is not None:
-                pending += stream.push(token)
-            hit = min(((pending.find(s), s) for s in stops if s in pending), default=None)
-            if hit is not None:
-                yield Piece(token, pending[:hit[0]])
-                pending, finish = "", "stop"
-                break
-            keep = _held(pending, stops) if stops else 0  # might begin a stop string
-            yield Piece(token, pending[:len(pending) - keep])
-            pending = pending[len(pending) - keep:]
             if n >= max_tokens:
                 break
             if engine.room(0) <= 0:
                 finish = "context"
                 break
             token = int(engine.decode_step(np.arange(engine.max_seqs) == 0)[0])
-        if finish in ("length", "context") and stream is not None:
-            rest = pending + stream.flush()
+        if finish in ("length", "context"):
+            rest = text.flush()
             if rest:
                 yield Piece(None, rest)
         t2 = time.perf_counter()
@@ -117,6 +108,39 @@ class Generation:
         self.summary = Summary(prompt_tokens=len(ids), tokens=n, finish=finish,
                                prefill_s=t1 - t0, decode_s=t2 - t1, attention=engine.attention,
                                capacity=engine.capacity_line())
+
+
+class TextStream:
+    """One request's output text, token by token: incremental detokenization,
+    stop strings (their text is not emitted; text that might begin one is held
+    back until it cannot) and EOS ids. `generate` and the server both use it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: Sequence[str] = (),
+                 eos: Sequence[int] = ()):
+        self.stream = tokenizer.stream() if tokenizer is not None else None
+        self.stops, self.eos = tuple(stops), tuple(eos)
+        self.pending = ""  # decoded, not yet emitted
+
+    def push(self, token: int) -> tuple[str, str | None]:
+        """-> (text to emit now, "eos" / "stop" when the request ends here, else None)."""
+        if token in self.eos:
+            return "", "eos"
+        if self.stream is not None:
+            self.pending += self.stream.push(token)
+        pending, stops = self.pending, self.stops
+        hit = min(((pending.find(s), s) for s in stops if s in pending), default=None)
+        if hit is not None:
+            self.pending = ""
+            return pending[:hit[0]], "stop"
+        keep = _held(pending, stops) if stops else 0  # might begin a stop string
+        self.pending = pending[len(pending) - keep:]
+        return pending[:len(pending) - keep], None
+
+    def flush(self) -> str:
+        """What is held back, at the end of a request that did not stop on its own."""
+        rest = self.pending + (self.stream.flush() if self.stream is not None else "")
+        self.pending = ""
+        return rest
 
 
 def prompt_ids(tokenizer: Tokenizer | None, prompt, chat: bool = False) -> list[int]:

@@ -1,0 +1,7 @@
+"""`python -m hisparse_jax.serving [flags]` = `hisparse serve [flags]`."""
+
+import sys
+
+from hisparse_jax.cli import main
+
+main(["serve", *sys.argv[1:]])

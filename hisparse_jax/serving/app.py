@@ -1,0 +1,468 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `Scheduler`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE with stream=true),
+GET /v1/models, /health, /metrics. Errors are OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}. Every response carries
+`x-hisparse-lineage` (model file sha256, cache config hash, package version,
+git commit). Handlers never touch JAX: they hand a `Request` to the scheduler's
+thread and read its events from an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import pathlib
+import random
+import subprocess
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
+from hisparse_jax.models.sampling import SamplingParams
+from hisparse_jax.serving.metrics import Metrics
+from hisparse_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler, Token
+from hisparse_jax.validate import check_int, check_number
+
+log = logging.getLogger("hisparse.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    max_seqs: int = 8
+    max_context: int | None = None  # None: the model's trained context
+    attention: str = "hisparse"
+    budget_tokens: int = 2048
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    price_per_hour: float | None = None
+    max_waiting: int = 64
+    prefill_budget: int = PREFILL_CHUNK  # prompt tokens per engine step
+    shutdown_timeout: float = 30.0       # SIGTERM: seconds to finish running requests
+
+    def __post_init__(self):
+        check_int("max_seqs", self.max_seqs, minimum=1)
+        if self.max_context is not None:
+            check_int("max_context", self.max_context, minimum=2)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r}: choose from {ATTENTIONS}")
+        check_int("port", self.port, minimum=0, maximum=65535)
+        check_int("max_waiting", self.max_waiting, minimum=0)
+        check_int("prefill_budget", self.prefill_budget, minimum=1)
+        check_number("shutdown_timeout", self.shutdown_timeout, 0.0)
+        if self.price_per_hour is not None:
+            check_number("price_per_hour", self.price_per_hour, 0.0)
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+# ---------------------------------------------------------------- errors
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    first = e.errors()[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None  # the request's field (not a union member's name)
+    got = repr(first.get("input"))[:80]
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')} (got {got})",
+                    param=param)
+
+
+# ---------------------------------------------------------------- request schemas
+
+class _Schema(BaseModel):
+    # Strict: "5" is not a number and 1 is not a bool (OpenAI's server refuses them too).
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class _Common(_Schema):
+    model: str | None = None
+    temperature: float | None = None  # OpenAI's default is 1
+    top_p: float | None = None
+    top_k: int | None = None          # vLLM's extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False          # vLLM's extension (benchmarks: fixed output lengths)
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ContentPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Schema):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# ---------------------------------------------------------------- lineage
+
+def lineage(cfg: ServeConfig, engine, model_path: pathlib.Path | None) -> dict:
+    """What produced an answer: the model file's sha256, a hash of the cache
+    configuration, the package version and its git commit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hisparse_jax.models.registry import sha256
+    if model_path is None:
+        model_sha = "random-weights"
+    elif model_path.is_file():
+        model_sha = sha256(model_path)
+    else:  # an HF folder: the hash of its weight files' hashes
+        h = hashlib.sha256()
+        for f in sorted(model_path.glob("*.safetensors")):
+            h.update(sha256(f).encode())
+        model_sha = h.hexdigest()
+    cache = repr((engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg))
+    try:
+        pkg = version("hisparse")
+    except PackageNotFoundError:
+        pkg = "unknown"
+    here = pathlib.Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"],
+                                check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"model_sha256": model_sha,
+            "cache_config_sha256": hashlib.sha256(cache.encode()).hexdigest()[:16],
+            "package_version": pkg, "git_commit": commit or "unknown"}
+
+
+def lineage_header(lin: dict) -> str:
+    return ";".join(f"{k}={v}" for k, v in lin.items())
+
+
+# ---------------------------------------------------------------- the app
+
+@dataclasses.dataclass
+class State:
+    cfg: ServeConfig
+    name: str  # the served model's id
+    engine: object
+    tokenizer: object
+    eos: tuple[int, ...]
+    scheduler: Scheduler
+    metrics: Metrics
+    lineage: dict
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def build_app(st: State) -> FastAPI:
+    header = lineage_header(st.lineage)
+
+    async def lifespan(app):
+        st.scheduler.start()
+        yield
+        # uvicorn has closed the socket and waited for the open requests
+        await asyncio.to_thread(st.scheduler.stop, st.cfg.shutdown_timeout)
+
+    app = FastAPI(title="hisparse", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def add_lineage(request, call_next):
+        response = await call_next(request)
+        response.headers["x-hisparse-lineage"] = header
+        return response
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request, e: APIError):
+        if e.status in (400, 404, 413, 503):
+            st.metrics.rejected.labels(status=str(e.status)).inc()
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request, e):
+        return _validation_error(e).response()
+
+    def auth(request: HTTPRequest):
+        key = st.cfg.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def parse(request: HTTPRequest, schema):
+        auth(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if req.model is not None and req.model != st.name:
+            raise APIError(404, f"The model `{req.model}` does not exist (this server "
+                           f"serves `{st.name}`)", param="model", code="model_not_found")
+        return req
+
+    @app.get("/health")
+    async def health():
+        if not st.scheduler.admitting:
+            raise APIError(503, "shutting down", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        st.metrics.update_cost(st.scheduler.generated, st.scheduler.busy_s)
+        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest):
+        auth(request)
+        return {"object": "list", "data": [{
+            "id": st.name, "object": "model", "created": st.created, "owned_by": "hisparse",
+            "root": st.cfg.model, "max_model_len": st.engine.max_context,
+            "attention": st.engine.attention, "lineage": st.lineage}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        r = await parse(request, CompletionRequest)
+        prompt = r.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (a list of prompts is not "
+                               "supported yet)", param="prompt")
+            prompt = prompt[0]
+        if r.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if isinstance(prompt, str):
+            if st.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids",
+                               param="prompt")
+            ids = st.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = st.engine.model.cfg.vocab_size
+            if any(not 0 <= i < vocab for i in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})",
+                               param="prompt")
+        if r.logprobs is not None and not 0 <= r.logprobs <= 20:
+            raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
+        req = make_request(r, ids, r.max_tokens, r.logprobs)
+        return await respond(request, r, req, "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HTTPRequest):
+        r = await parse(request, ChatRequest)
+        if st.tokenizer is None or not st.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template", param="messages")
+        if not r.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                     "".join(p.text for p in m.content or ())} for m in r.messages]
+        try:
+            ids = st.tokenizer.chat_ids(messages)
+        except Exception as e:  # noqa: BLE001 (the template's own error, as a 400)
+            raise APIError(400, f"the chat template failed: {e}", param="messages") from None
+        top = None
+        if r.logprobs:
+            top = r.top_logprobs or 0
+            if not 0 <= top <= 20:
+                raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
+        max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None \
+            else r.max_tokens
+        req = make_request(r, ids, max_tokens, top)
+        return await respond(request, r, req, "chat.completion")
+
+    def make_request(r: _Common, ids: list[int], max_tokens: int | None, logprobs):
+        if r.n != 1:
+            raise APIError(400, f"n={r.n}: only n=1 is supported", param="n")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        limit = st.engine.max_context
+        if max_tokens is None:
+            max_tokens = limit - len(ids)
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens={max_tokens}: must be at least 1",
+                           param="max_tokens")
+        if len(ids) + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                           f"However, you requested {len(ids) + max_tokens} tokens "
+                           f"({len(ids)} in the prompt, {max_tokens} for the completion).",
+                           param="max_tokens", code="context_length_exceeded")
+        temperature = 1.0 if r.temperature is None else r.temperature
+        seed = r.seed if r.seed is not None else random.getrandbits(32)
+        if not (0 <= seed < 2**32):
+            raise APIError(400, f"seed={seed}: must be in [0, 2**32)", param="seed")
+        try:
+            sampling = SamplingParams(
+                temperature=float(temperature), top_k=r.top_k or 0,
+                top_p=1.0 if r.top_p is None else float(r.top_p), seed=seed)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split("=")[0]) from None
+        if not math.isfinite(temperature) or temperature > 2:
+            raise APIError(400, "temperature must be in [0, 2]", param="temperature")
+        stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or ())
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
+        if stops and st.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer", param="stop")
+        return Request(ids=ids, max_tokens=max_tokens, sampling=sampling, sink=None,
+                       stops=tuple(stops), eos=() if r.ignore_eos else st.eos,
+                       logprobs=logprobs)
+
+    async def respond(http: HTTPRequest, r: _Common, req: Request, kind: str):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        try:
+            st.scheduler.submit(req)
+        except QueueFull as e:
+            raise APIError(503, f"overloaded: {e}", type="server_error", code="overloaded",
+                           headers={"Retry-After": "1"}) from None
+        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        chat = kind == "chat.completion"
+        if r.stream:
+            usage = r.stream_options is not None and r.stream_options.include_usage
+            return StreamingResponse(stream(req, events, rid, created, chat, usage),
+                                     media_type="text/event-stream")
+        tokens: list[Token] = []
+        ev = None
+        try:
+            while not isinstance(ev, Finish):
+                try:
+                    ev = await asyncio.wait_for(events.get(), 1.0)
+                except TimeoutError:
+                    if await http.is_disconnected():  # the client went away
+                        return Response(status_code=499)
+                    continue
+                if isinstance(ev, Token):
+                    tokens.append(ev)
+        finally:
+            if not isinstance(ev, Finish):  # gone, or the server is stopping
+                st.scheduler.cancel(req)
+        if ev.reason == "error":
+            raise APIError(500, f"the engine failed: {ev.message}", type="server_error")
+        text = "".join(t.text for t in tokens)
+        choice = {"index": 0, "finish_reason": _reason(ev)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = _chat_logprobs(tokens) if req.logprobs is not None else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = _logprobs(tokens) if req.logprobs is not None else None
+        return {"id": rid, "object": kind, "created": created, "model": st.name,
+                "choices": [choice], "usage": _usage(ev)}
+
+    async def stream(req: Request, events, rid, created, chat, include_usage):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        done = False
+
+        def chunk(choices, usage=None):
+            body = {"id": rid, "object": kind, "created": created, "model": st.name,
+                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Finish):
+                    break
+                if not ev.text and ev.id is not None and req.logprobs is None:
+                    continue  # nothing to show yet (an EOS, text held back)
+                if chat:
+                    c = {"index": 0, "delta": {"content": ev.text}, "finish_reason": None,
+                         "logprobs": _chat_logprobs([ev]) if req.logprobs is not None
+                         else None}
+                else:
+                    c = {"index": 0, "text": ev.text, "finish_reason": None,
+                         "logprobs": _logprobs([ev]) if req.logprobs is not None else None}
+                yield chunk([c])
+            done = True
+            last = {"index": 0, "finish_reason": _reason(ev), "logprobs": None}
+            last.update({"delta": {}} if chat else {"text": ""})
+            if ev.reason == "error":
+                err = {"message": ev.message, "type": "server_error", "param": None,
+                       "code": None}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+            yield chunk([last])
+            if include_usage:
+                yield chunk([], _usage(ev))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away (or the server is stopping)
+                st.scheduler.cancel(req)
+
+    def _logprobs(tokens: list[Token]) -> dict:
+        toks = [t for t in tokens if t.id is not None]
+        dec = st.tokenizer.decode if st.tokenizer is not None else str
+        return {"tokens": [dec([t.id]) for t in toks],
+                "token_logprobs": [t.logprob for t in toks],
+                "top_logprobs": [{dec([i]): lp for i, lp in t.top} for t in toks],
+                "text_offset": [0, *itertools.accumulate(len(t.text) for t in toks)][:len(toks)]}
+
+    def _chat_logprobs(tokens: list[Token]) -> dict:
+        dec = st.tokenizer.decode if st.tokenizer is not None else str
+        return {"content": [{"token": dec([t.id]), "logprob": t.logprob, "bytes": None,
+                             "top_logprobs": [{"token": dec([i]), "logprob": lp, "bytes": None}
+                                              for i, lp in t.top]}
+                            for t in tokens if t.id is not None]}
+
+    return app
+
+
+def _reason(ev: Finish) -> str:
+    return {"stop": "stop", "length": "length"}.get(ev.reason, "abort")
+
+
+def _usage(ev: Finish) -> dict:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens}

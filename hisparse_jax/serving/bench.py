@@ -1,0 +1,367 @@
+"""`hisparse bench serve`: load any OpenAI-compatible server (ours, llama.cpp's,
+vLLM's) through its streaming completions or chat endpoint and report vLLM's
+serving figures: TTFT, TPOT, ITL and E2EL (mean, median, P90, P99), request and
+token throughput, and goodput under an SLO.
+
+Datasets: `random` (fixed or ranged lengths), `lognormal-bimodal` (lognormal
+prompt lengths; most answers short, some long), `prefix` (one shared document,
+many questions), `replay FILE.jsonl` (lines {"prompt", "max_tokens", optional
+"timestamp" in seconds}: sent at their times). Arrivals are Poisson at
+--request-rate (inf: all at once), at most --max-concurrency in flight; the
+--warmup requests before them are excluded from the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from hisparse_jax.cli.args import CLIError, nonnegative_int, number, positive_int
+
+DATASETS = ("random", "lognormal-bimodal", "prefix", "replay")
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    prompt: str | list[int]
+    max_tokens: int
+    at: float | None = None  # replay: seconds after the start
+
+
+@dataclasses.dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 \
+            else None
+
+
+# ---------------------------------------------------------------- datasets
+
+def _lengths(spec: str, n: int, rng) -> np.ndarray:
+    """"N" or "A:B" (uniform, inclusive)."""
+    try:
+        lo, _, hi = spec.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise CLIError(f"length {spec!r}: expected N or A:B") from None
+    if not 1 <= lo <= hi:
+        raise CLIError(f"length {spec!r}: needs 1 <= A <= B")
+    return rng.integers(lo, hi + 1, n)
+
+
+class Prompts:
+    """Prompts of a given token length: random token ids of the tokenizer's
+    ordinary vocabulary, decoded to text (ids when there is no tokenizer)."""
+
+    def __init__(self, tokenizer, rng):
+        self.tok, self.rng = tokenizer, rng
+        self.vocab = tokenizer.vocab_size if tokenizer is not None else 32000
+
+    def make(self, n: int) -> str | list[int]:
+        ids = self.rng.integers(300, self.vocab - 300, int(n)).tolist()
+        return self.tok.decode(ids) if self.tok is not None else ids
+
+
+def build_jobs(args, tokenizer) -> list[Job]:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_prompts + args.warmup
+    mk = Prompts(tokenizer, rng)
+    if args.dataset == "random":
+        ins, outs = _lengths(args.input_len, n, rng), _lengths(args.output_len, n, rng)
+        return [Job(mk.make(i), int(o)) for i, o in zip(ins, outs)]
+    if args.dataset == "lognormal-bimodal":
+        median = int(_lengths(args.input_len, 1, rng)[0])
+        ins = np.clip(rng.lognormal(math.log(median), 0.8, n), 16, args.max_input_len)
+        short = _lengths(args.output_len, n, rng)
+        long = _lengths(args.long_output_len, n, rng)
+        outs = np.where(rng.random(n) < args.long_fraction, long, short)
+        return [Job(mk.make(int(i)), int(o)) for i, o in zip(ins, outs)]
+    if args.dataset == "prefix":
+        doc = mk.make(args.prefix_len)
+        ins, outs = _lengths(args.input_len, n, rng), _lengths(args.output_len, n, rng)
+        if isinstance(doc, list):
+            return [Job(doc + mk.make(i), int(o)) for i, o in zip(ins, outs)]
+        return [Job(doc + "\n\nQuestion: " + mk.make(i), int(o)) for i, o in zip(ins, outs)]
+    if not args.dataset_path:
+        raise CLIError("--dataset replay needs --dataset-path FILE.jsonl")
+    jobs = []
+    try:
+        with open(args.dataset_path, encoding="utf-8") as f:
+            for k, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    jobs.append(Job(row["prompt"], int(row.get("max_tokens", 128)),
+                                    float(row["timestamp"]) if "timestamp" in row else None))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CLIError(f"{args.dataset_path}:{k}: not a request line ({e})") \
+                        from None
+    except OSError as e:
+        raise CLIError(f"--dataset-path {args.dataset_path}: {e.strerror or e}") from None
+    if not jobs:
+        raise CLIError(f"{args.dataset_path}: no requests")
+    t0 = min((j.at for j in jobs if j.at is not None), default=0.0)
+    jobs = [dataclasses.replace(j, at=None if j.at is None else j.at - t0) for j in jobs]
+    return jobs[:n] if args.num_prompts_given else jobs
+
+
+# ---------------------------------------------------------------- the client
+
+async def one(client, args, model: str, job: Job) -> Result:
+    chat = args.endpoint == "chat"
+    body = {"model": model, "max_tokens": job.max_tokens, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if chat:
+        text = job.prompt if isinstance(job.prompt, str) else " ".join(map(str, job.prompt))
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = job.prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    res, t0 = Result(), time.perf_counter()
+    last, chunks = None, 0
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if ev.get("usage"):
+                    res.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = ev["usage"].get("completion_tokens", 0)
+                for c in ev.get("choices") or ():
+                    piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    if piece:
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last, chunks = now, chunks + 1
+        res.e2el = time.perf_counter() - t0
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = last is not None
+        if not res.ok:
+            res.error = "no tokens"
+    except Exception as e:  # noqa: BLE001 (a failed request is a figure, not a crash)
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_jobs(args, model: str, jobs: list[Job], progress=None) -> tuple[list, float]:
+    import httpx
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None)
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = np.random.default_rng(args.seed + 1)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout)) as client:
+        async def go(job):
+            if sem is None:
+                r = await one(client, args, model, job)
+            else:
+                async with sem:
+                    r = await one(client, args, model, job)
+            if progress is not None:
+                progress.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        tasks = []
+        for job in jobs:
+            if job.at is not None:  # replay: its own time
+                await asyncio.sleep(max(0.0, t0 + job.at / args.replay_speed
+                                        - time.perf_counter()))
+            elif math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+            tasks.append(asyncio.create_task(go(job)))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- the report
+
+def _stats(xs) -> dict:
+    if not xs:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    a = np.asarray(xs) * 1000
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip()
+        if k not in SLO_KEYS:
+            raise CLIError(f"--slo {text!r}: keys are {', '.join(SLO_KEYS)}")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            raise CLIError(f"--slo {text!r}: {k} needs a number of ms") from None
+        if not out[k] > 0:
+            raise CLIError(f"--slo {text!r}: {k} must be > 0")
+    return out
+
+
+def report(results: list[Result], wall: float, slo: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    row = {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+           "duration_s": wall, "prompt_tokens": sum(r.prompt_tokens for r in ok),
+           "output_tokens": out_tokens, "request_throughput": len(ok) / wall,
+           "output_throughput": out_tokens / wall,
+           "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / wall}
+    for name, xs in (("ttft_ms", [r.ttft for r in ok]),
+                     ("tpot_ms", [r.tpot for r in ok if r.tpot is not None]),
+                     ("itl_ms", [x for r in ok for x in r.itl]),
+                     ("e2el_ms", [r.e2el for r in ok])):
+        row[name] = _stats(xs)
+    if slo:
+        def good(r):
+            v = {"ttft_ms": r.ttft * 1000, "e2el_ms": r.e2el * 1000,
+                 "tpot_ms": (r.tpot or 0) * 1000}
+            return all(v[k] <= lim for k, lim in slo.items())
+        row["slo"] = slo
+        row["goodput"] = sum(good(r) for r in ok) / wall
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        row["errors"] = errors[:5]
+    return row
+
+
+def table(row: dict) -> str:
+    lines = [f"{'requests completed':<28}{row['completed']}/{row['requests']}",
+             f"{'duration (s)':<28}{row['duration_s']:.2f}",
+             f"{'output tokens':<28}{row['output_tokens']}",
+             f"{'request throughput (req/s)':<28}{row['request_throughput']:.3f}",
+             f"{'output throughput (tok/s)':<28}{row['output_throughput']:.2f}",
+             f"{'total throughput (tok/s)':<28}{row['total_token_throughput']:.2f}"]
+    if "goodput" in row:
+        lines.append(f"{'goodput (req/s)':<28}{row['goodput']:.3f}")
+    lines.append(f"{'(ms)':<10}{'mean':>10}{'median':>10}{'P90':>10}{'P99':>10}")
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        s = row[k]
+        cells = "".join(f"{'-' if s[q] is None else f'{s[q]:.1f}':>10}"
+                        for q in ("mean", "median", "p90", "p99"))
+        lines.append(f"{k[:-3].upper():<10}{cells}")
+    for e in row.get("errors", ()):
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def main_bench_serve(args):
+    import httpx
+    from tqdm import tqdm
+
+    slo = parse_slo(args.slo)
+    args.num_prompts_given = args.num_prompts is not None
+    if args.num_prompts is None:
+        args.num_prompts = 100
+    tokenizer = None
+    if args.tokenizer != "none":
+        from hisparse_jax.models.registry import load
+        tokenizer = load(args.tokenizer)[1]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model
+    if model is None:
+        try:
+            r = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise CLIError(f"--base-url {args.base_url}: no model list ({e}); pass --model")
+    jobs = build_jobs(args, tokenizer)
+    warm, jobs = jobs[:args.warmup], jobs[args.warmup:]
+    if warm:
+        asyncio.run(run_jobs(args, model,
+                             [dataclasses.replace(j, at=None) for j in warm]))
+    with tqdm(total=len(jobs), desc="bench serve", file=sys.stderr,
+              disable=args.no_progress) as bar:
+        results, wall = asyncio.run(run_jobs(args, model, jobs, bar))
+    row = {"command": args.command_line, "base_url": args.base_url, "model": model,
+           "endpoint": args.endpoint, "dataset": args.dataset,
+           "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+           "warmup": args.warmup, **report(results, wall, slo)}
+    if args.json == "-":
+        print(json.dumps(row))
+        return
+    print(table(row))
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def add_arguments(p):
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (without /v1)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--api-key", default=None, metavar="K")
+    p.add_argument("--tokenizer", default="smollm2-135m",
+                   help="builds prompts of exact token lengths (a model name or path; "
+                        "'none': send token ids)")
+    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", default=None, metavar="FILE.jsonl",
+                   help="replay: one request per line")
+    p.add_argument("--num-prompts", type=positive_int, default=None, metavar="N",
+                   help="measured requests (default 100; replay: the whole file)")
+    p.add_argument("--input-len", default="1024", metavar="N|A:B",
+                   help="prompt tokens (lognormal-bimodal: the median; prefix: the question)")
+    p.add_argument("--output-len", default="128", metavar="N|A:B",
+                   help="max tokens (lognormal-bimodal: the short answers)")
+    p.add_argument("--long-output-len", default="1024", metavar="N|A:B",
+                   help="lognormal-bimodal: the long answers")
+    p.add_argument("--long-fraction", type=number(0.0), default=0.1, metavar="F",
+                   help="lognormal-bimodal: share of long answers")
+    p.add_argument("--max-input-len", type=positive_int, default=7168, metavar="N",
+                   help="lognormal-bimodal: the longest prompt")
+    p.add_argument("--prefix-len", type=positive_int, default=4096, metavar="N",
+                   help="prefix: the shared document's tokens")
+    p.add_argument("--request-rate", type=number(0.0, above=True), default=math.inf,
+                   metavar="R", help="Poisson arrivals per second (default inf: all at once)")
+    p.add_argument("--replay-speed", type=number(0.0, above=True), default=1.0, metavar="X",
+                   help="replay: time runs X times faster")
+    p.add_argument("--max-concurrency", type=positive_int, default=None, metavar="N")
+    p.add_argument("--warmup", type=nonnegative_int, default=1, metavar="N",
+                   help="requests sent first and excluded from the figures")
+    p.add_argument("--temperature", type=number(0.0), default=0.0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly max_tokens (vLLM's and our extension)")
+    p.add_argument("--slo", default=None, metavar="ttft_ms=X,tpot_ms=Y",
+                   help="goodput: completed requests per second meeting every limit "
+                        "(keys ttft_ms, tpot_ms, e2el_ms)")
+    p.add_argument("--timeout", type=number(0.0, above=True), default=600.0, metavar="S",
+                   help="per-request timeout")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="append one JSON row with the exact command ('-': stdout only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p

@@ -1,0 +1,129 @@
+"""`hisparse serve`: the OpenAI-compatible server. `add_serving_parsers(sub)` adds
+it to the `hisparse` parser's subparsers; `add_bench_serve_parser(bsub)` adds
+`hisparse bench serve` (bench.py) under `hisparse bench`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from hisparse_jax.cli.args import (
+    budget_tokens,
+    int_at_least,
+    nonnegative_int,
+    number,
+    positive_int,
+)
+
+log = logging.getLogger("hisparse.serve")
+
+
+def build_state(cfg):
+    """Load the model, build the engine (compiled for short prompts) and the
+    scheduler: everything `app.build_app` serves."""
+    import pathlib
+
+    from hisparse_jax.models.engine import Engine
+    from hisparse_jax.models.generate import stop_ids
+    from hisparse_jax.models.registry import load, resolve
+    from hisparse_jax.serving.app import State, lineage
+    from hisparse_jax.serving.metrics import Metrics
+    from hisparse_jax.serving.scheduler import Scheduler
+
+    src = resolve(cfg.model)
+    model, tok = load(cfg.model)
+    context = cfg.max_context or model.cfg.max_position
+    engine = Engine(model, max_seqs=cfg.max_seqs, max_context=context,
+                    attention=cfg.attention, budget_tokens=cfg.budget_tokens)
+    log.info("%s, %d sequences of %d tokens", engine.capacity_line(), cfg.max_seqs, context)
+    log.info("compiling (%s attention) ...", cfg.attention)
+    log.info("compiled in %.1f s", engine.warmup())
+    name = cfg.model if src.kind != "hf" else pathlib.Path(cfg.model).name
+    metrics = Metrics(name, cfg.price_per_hour)
+    sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
+                      prefill_budget=cfg.prefill_budget, metrics=metrics)
+    return State(cfg=cfg, name=name, engine=engine, tokenizer=tok,
+                 eos=stop_ids(model, tok), scheduler=sched, metrics=metrics,
+                 lineage=lineage(cfg, engine, src.path))
+
+
+def serve(cfg):
+    """Run the server until SIGTERM or SIGINT: then it stops admitting (the socket
+    closes), lets running requests finish for up to cfg.shutdown_timeout seconds,
+    cancels the rest and returns (exit code 0)."""
+    import uvicorn
+
+    from hisparse_jax.serving.app import build_app
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
+    st = build_state(cfg)
+    log.info("lineage: %s", st.lineage)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # uvicorn re-raises a captured signal after shutting down (exit code
+            # 143): a graceful stop is a normal exit here.
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            st.scheduler.admitting = False  # /health answers 503 from now on
+
+    config = uvicorn.Config(build_app(st), host=cfg.host, port=cfg.port, log_level="info",
+                            timeout_graceful_shutdown=max(1, int(cfg.shutdown_timeout)),
+                            access_log=False)
+    Server(config).run()
+    log.info("stopped")
+
+
+def main_serve(args):
+    from hisparse_jax.serving.app import ServeConfig
+    cfg = ServeConfig(model=args.model, max_seqs=args.max_seqs, max_context=args.max_context,
+                      attention=args.attention, budget_tokens=args.budget_tokens,
+                      api_key=args.api_key, host=args.host, port=args.port,
+                      price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
+                      prefill_budget=args.prefill_budget)
+    serve(cfg)
+
+
+def add_serving_parsers(subparsers):
+    """Adds `serve` to an argparse subparsers object."""
+    from hisparse_jax.models.registry import MODELS
+
+    s = subparsers.add_parser("serve", help="an OpenAI-compatible server (continuous "
+                              "batching over HiSparse)")
+    s.add_argument("--model", default="smollm2-135m",
+                   help=f"a name ({', '.join(sorted(MODELS))}), a .gguf file or an HF folder")
+    s.add_argument("--max-seqs", type=positive_int, default=8, metavar="N",
+                   help="sequence slots (requests decoded together)")
+    s.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
+                   help="tokens per sequence, prompt + completion (default: the model's)")
+    s.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
+    s.add_argument("--budget-tokens", type=budget_tokens, default=2048, metavar="N",
+                   help="cold tokens attended per KV head (multiple of 16), or 'all'")
+    s.add_argument("--api-key", default=None, metavar="K",
+                   help="require 'Authorization: Bearer K' on /v1/*")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 exposes the server)")
+    s.add_argument("--port", type=nonnegative_int, default=8000)
+    s.add_argument("--price-per-hour", type=number(0.0), default=None, metavar="X",
+                   help="dollars per hour of this machine, for the $/1K-tokens metric")
+    s.add_argument("--max-waiting", type=nonnegative_int, default=64, metavar="N",
+                   help="wait queue bound; beyond it requests get 503 + Retry-After")
+    s.add_argument("--prefill-budget", type=positive_int, default=512, metavar="TOKENS",
+                   help="prompt tokens prefilled per engine step, between decode steps")
+    s.set_defaults(func=main_serve)
+    return subparsers
+
+
+
+def add_bench_serve_parser(bench_subparsers):
+    """Adds `serve` under `hisparse bench` (a load generator for any
+    OpenAI-compatible server); returns its parser."""
+    from hisparse_jax.serving.bench import add_arguments, main_bench_serve
+    b = bench_subparsers.add_parser("serve", help="load an OpenAI-compatible server: TTFT, "
+                                    "TPOT, ITL, E2EL, throughput, goodput")
+    add_arguments(b)
+    b.set_defaults(func=main_bench_serve)
+    return b

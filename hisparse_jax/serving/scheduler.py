@@ -1,0 +1,267 @@
+"""Continuous batching over one `Engine`: fixed slots, a bounded wait queue,
+chunked prefill interleaved with the running decodes.
+
+One thread (`Scheduler.run`) owns the engine and makes every JAX call; other
+threads only `submit` and `cancel` requests and read the events each request's
+`sink` receives. One iteration (`step`):
+1. drop cancelled requests (a waiting one leaves the queue, a running one frees
+   its slot at once) and admit waiting requests into free slots (FIFO);
+2. prefill: prompt blocks (`Engine.prefill_chunk`, at most 512 tokens each) of
+   the admitted requests, in order, up to `prefill_budget` tokens;
+3. one decode step for every slot past its prefill.
+So a long prompt costs the running streams one block per step, never its whole
+prefill. A running sequence is never evicted: a request waits until a slot is
+free, and the queue's bound turns away the rest (`QueueFull`, a 503).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+
+from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
+from hisparse_jax.models.generate import TextStream
+from hisparse_jax.models.sampling import SamplingParams
+from hisparse_jax.validate import check_int
+
+log = logging.getLogger("hisparse.serve")
+
+
+class QueueFull(Exception):
+    """The wait queue is full (or the server is shutting down): try again later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    id: int | None  # None: text held back until the end, no new token
+    text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (id, logprob) of the most likely ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    reason: str          # "stop" (EOS or a stop string), "length", "abort" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    message: str = ""    # what went wrong, for "error"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation. `sink(event)` gets each `Token` and then one `Finish`, from
+    the scheduler's thread (it must not block)."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    sink: Callable[[Token | Finish], None]
+    stops: tuple[str, ...] = ()
+    eos: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+    id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    """A request in a slot."""
+    req: Request
+    text: TextStream
+    start: int = 0          # next prompt block
+    decoding: bool = False  # prefill done
+    generated: int = 0
+    last: float = 0.0       # when its last token came
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, tokenizer, *, max_waiting: int = 64,
+                 prefill_budget: int = PREFILL_CHUNK, metrics=None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_waiting = check_int("max_waiting", max_waiting, minimum=0)
+        self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
+        self.metrics = metrics
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[_Seq | None] = [None] * engine.max_seqs
+        self.prefilling: collections.deque[int] = collections.deque()  # slots, FIFO
+        self.cond = threading.Condition()
+        self.admitting = True
+        self.stopped = False
+        self.busy_s = 0.0  # time spent in steps that had work (for the cost figure)
+        self.generated = 0
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ any thread
+
+    def submit(self, req: Request):
+        """Queue `req`; QueueFull when the queue is full or the server is stopping."""
+        with self.cond:
+            if not self.admitting:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already "
+                                f"(--max-waiting {self.max_waiting})")
+            self.waiting.append(req)
+            self._gauges()
+            self.cond.notify()
+
+    def cancel(self, req: Request):
+        """Stop `req` (a client that went away): its slot is freed at the next step."""
+        with self.cond:
+            req.cancelled = True
+            self.cond.notify()
+
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def start(self):
+        self._thread = threading.Thread(target=self.run, name="hisparse-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None):
+        """Stop admitting; the loop finishes what it holds, then ends. After
+        `timeout` seconds whatever still runs is cancelled."""
+        with self.cond:
+            self.admitting = False
+            self.cond.notify()
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self.cond:
+                for r in list(self.waiting) + [s.req for s in self.slots if s is not None]:
+                    r.cancelled = True
+                self.cond.notify()
+            self._thread.join()
+
+    # ------------------------------------------------------------ the engine thread
+
+    def run(self):
+        while True:
+            with self.cond:
+                while not (self.waiting or self.running() or not self.admitting):
+                    self.cond.wait()
+                if not self.admitting and not self.waiting and not self.running():
+                    self.stopped = True
+                    return
+            t = time.perf_counter()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 (a bug: fail what runs, keep serving)
+                log.error("engine step failed: %s", traceback.format_exc())
+                for slot, seq in enumerate(self.slots):
+                    if seq is not None:
+                        self._finish(slot, "error", f"{type(e).__name__}: {e}")
+            self.busy_s += time.perf_counter() - t
+
+    def step(self):
+        eng = self.engine
+        with self.cond:
+            for r in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(r)
+                r.sink(Finish("abort", len(r.ids), 0))
+                self._count_finish("abort")
+            for slot, seq in enumerate(self.slots):
+                if seq is not None and seq.req.cancelled:
+                    self._finish(slot, "abort")
+            for slot in range(eng.max_seqs):
+                if self.slots[slot] is None and self.waiting:
+                    r = self.waiting.popleft()
+                    self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos))
+                    self.prefilling.append(slot)
+            self._gauges()
+        spent = 0
+        while self.prefilling:
+            slot = self.prefilling[0]
+            seq = self.slots[slot]
+            n = len(seq.req.ids)
+            cost = prefill_length(n) if n <= PREFILL_CHUNK else PREFILL_CHUNK
+            if spent and spent + cost > self.prefill_budget:
+                break
+            spent += cost
+            tok = eng.prefill_chunk(slot, seq.req.ids, seq.start, seq.req.sampling)
+            seq.start += PREFILL_CHUNK
+            if tok is not None:
+                self.prefilling.popleft()
+                seq.decoding = True
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(n)
+                self._emit(slot, tok, eng.logits)
+        live = np.array([s is not None and s.decoding for s in self.slots])
+        if live.any():
+            nxt = eng.decode_step(live)
+            logits = eng.logits if any(s is not None and s.req.logprobs is not None
+                                       for s in self.slots) else None
+            for slot in np.flatnonzero(live):
+                self._emit(int(slot), int(nxt[slot]), None if logits is None else logits[slot])
+        with self.cond:
+            self._gauges()
+
+    def _emit(self, slot: int, token: int, logits):
+        seq = self.slots[slot]
+        req = seq.req
+        now = time.perf_counter()
+        m = self.metrics
+        if m is not None:
+            if seq.generated == 0:
+                m.ttft.observe(now - req.arrival)
+            else:
+                m.itl.observe(now - seq.last)
+            m.generation_tokens.inc()
+        seq.generated += 1
+        seq.last = now
+        self.generated += 1
+        text, done = seq.text.push(token)
+        lp, top = None, ()
+        if req.logprobs is not None:
+            row = np.asarray(logits, np.float64)
+            row = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+            lp = float(row[token])
+            if req.logprobs:
+                best = np.argsort(-row)[:req.logprobs]
+                top = tuple((int(i), float(row[i])) for i in best)
+        req.sink(Token(token, text, lp, top))
+        if done:
+            self._finish(slot, "stop")
+        elif seq.generated >= req.max_tokens or self.engine.room(slot) <= 0:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: int, reason: str, message: str = ""):
+        """Free `slot` now and tell its request why it ended."""
+        seq = self.slots[slot]
+        self.slots[slot] = None
+        if slot in self.prefilling:
+            self.prefilling.remove(slot)
+        self.engine.release(slot)
+        rest = seq.text.flush() if reason == "length" else ""
+        if rest:
+            seq.req.sink(Token(None, rest))
+        seq.req.sink(Finish(reason, len(seq.req.ids), seq.generated, message))
+        self._count_finish(reason)
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.perf_counter() - seq.req.arrival)
+
+    def _count_finish(self, reason: str):
+        if self.metrics is not None:
+            self.metrics.success.labels(finished_reason=reason).inc()
+
+    def _gauges(self):
+        m = self.metrics
+        if m is None:
+            return
+        m.running.set(self.running())
+        m.waiting.set(len(self.waiting))
+        eng = self.engine
+        m.kv_usage.set(float(np.sum(eng.lens)) / (eng.max_seqs * eng.max_context))
