@@ -47,7 +47,7 @@ from hisparse_jax import attention as att
 from hisparse_jax.config import FULL_BUDGET
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import RopeScaling
-from hisparse_jax.models.prompts import passkey, passkey_hit
+from hisparse_jax.models.prompts import passkey_hit, passkey_ids
 from hisparse_jax.models.registry import load
 
 ANSWER_TOKENS = 8
@@ -63,18 +63,6 @@ def configs(context: int, fractions) -> dict[str, dict]:
     return out
 
 
-def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
-    """The longest passkey prompt of at most `length` tokens."""
-    lo, hi = 1, length  # filler lines: binary search on the token count
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(tok.encode(passkey(mid, depth, key))) <= length:
-            lo = mid
-        else:
-            hi = mid - 1
-    return tok.encode(passkey(lo, depth, key))
-
-
 def run_passkey(model, tok, args, out):
     rng = np.random.default_rng(args.seed)
     summary = {}
@@ -88,7 +76,7 @@ def run_passkey(model, tok, args, out):
         hits = dict.fromkeys(cfgs, 0)
         bar = tqdm(list(zip(depths, keys)), desc=f"passkey {length}", file=sys.stderr)
         for depth, key in bar:
-            ids = passkey_prompt(tok, length, float(depth), int(key))
+            ids = passkey_ids(tok, length, float(depth), int(key))
             dense = engines["dense"]
             first = dense.prefill(0, ids)
             kv = dense.kv(0)

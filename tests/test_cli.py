@@ -107,7 +107,7 @@ def test_bench_scheduler_bad_sticky_nats(capsys, bad):
 
 
 def test_demo_small(capsys):
-    main(["demo", "--context", "8192"])
+    main(["demo", "--synthetic", "--context", "8192"])
     out = capsys.readouterr().out
     assert "retrieval" in out and "capacity at 1M tokens" in out and "faster" in out
 

@@ -15,6 +15,7 @@ from hisparse_jax.cli.args import (
     CLIError,
     Parser,
     budget_tokens,
+    int_at_least,
     int_list,
     nonnegative_int,
     number,
@@ -48,8 +49,21 @@ def build_parser() -> Parser:
                             help="show tracebacks of errors")
         return parser
 
-    d = debug_flag(sub.add_parser("demo", help="synthetic long context: HiSparse vs dense"))
-    d.add_argument("--context", type=positive_int, default=131072)
+    d = debug_flag(sub.add_parser(
+        "demo", help="a real model answers a ~7K-token passkey prompt: HiSparse vs dense"))
+    d.add_argument("--model", default="smollm2-135m", help="a name, a .gguf file or an HF folder")
+    d.add_argument("--tokens", type=int_at_least(256), default=7000, metavar="N",
+                   help="prompt length in tokens (the model's trained length is the limit)")
+    d.add_argument("--depth", type=number(0.0, below=1.0), default=0.5,
+                   help="where the key sits in the prompt, 0-1")
+    d.add_argument("--key", type=int_at_least(10000), default=None,
+                   help="the 5-digit pass key (default: random)")
+    d.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
+                   help="HiSparse cold tokens per KV head (default: a 16th of the prompt)")
+    d.add_argument("--synthetic", action="store_true",
+                   help="the attention-only demo on a generated context instead")
+    d.add_argument("--context", type=positive_int, default=None,
+                   help="--synthetic: context length (default 131072)")
     d.set_defaults(func=commands.cmd_demo)
 
     e = debug_flag(sub.add_parser("eval", help="quality on attention captured from your model"))

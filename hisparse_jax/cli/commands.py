@@ -162,5 +162,15 @@ def cmd_bench_kernels(args):
 
 
 def cmd_demo(args):
-    from hisparse_jax.demo import run_demo
-    run_demo(context=args.context, log=_log)
+    if args.synthetic:
+        from hisparse_jax.demo import run_demo
+        return run_demo(context=args.context or 131072, log=_log)
+    if args.context is not None:
+        raise CLIError("--context is for --synthetic; the real-model demo takes --tokens N")
+    if args.key is not None and args.key > 99999:
+        raise CLIError(f"--key {args.key}: a 5-digit number (10000-99999)")
+    if args.budget_tokens is not None and args.budget_tokens % 16 and args.budget_tokens != -1:
+        raise CLIError(f"--budget-tokens {args.budget_tokens}: a multiple of 16 (the page "
+                       "size) or 'all'")
+    from hisparse_jax.models.demo import run_demo
+    run_demo(args.model, args.tokens, args.depth, args.key, args.budget_tokens, log=_log)

@@ -451,10 +451,15 @@ class Engine:
         return f"dense bf16 KV cache: device {nbytes / 2**20:.1f} MiB, {layers} layers"
 
     def warmup(self, prompt_len: int = 16) -> float:
-        """Compile prefill (for prompts of `prompt_len`'s padded length) and decode;
-        returns seconds. Leaves slot 0 empty."""
+        """Compile prefill (for prompts of `prompt_len`'s padded length) and decode,
+        without running them (XLA keeps the executables for the real calls: a 7K
+        prompt's prefill would cost as much again as compiling it); returns seconds."""
         t = time.perf_counter()
-        self.prefill(0, np.zeros(min(prompt_len, self.max_context - 1), np.int64))
-        self.decode_step(np.arange(self.max_seqs) == 0)
-        self.release(0)
+        n = prefill_length(min(prompt_len, self.max_context - 1))
+        _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
+                       jnp.int32(1), tuple(a[0] for a in self._samp([0])),
+                       **self._static()).compile()
+        _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
+                      jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
+                      self._samp(range(self.max_seqs)), **self._static()).compile()
         return time.perf_counter() - t

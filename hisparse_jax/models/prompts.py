@@ -26,3 +26,16 @@ def passkey(n_filler: int, depth: float, key: int) -> str:
 def passkey_hit(key: int, text: str) -> bool:
     """A hit: the key in the generated text (the caller passes the first 8 tokens')."""
     return str(key) in text
+
+
+def passkey_ids(tok, length: int, depth: float, key: int) -> list[int]:
+    """The longest passkey prompt of at most `length` tokens (binary search on the
+    number of filler lines)."""
+    lo, hi = 1, length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tok.encode(passkey(mid, depth, key))) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return tok.encode(passkey(lo, depth, key))
