@@ -169,3 +169,16 @@ def test_prefill_kv_and_teacher_forcing_equal_prefill(model):
         seeded.prefill_kv(0, *(x[:, :, :2] for x in dense.kv(0)), first)
     with pytest.raises(ValueError, match="tokens"):
         own.decode_step(tokens=np.array([1.5]))
+
+
+def test_demo_answers_side_by_side(model, capsys):
+    """`hisparse demo` on a short prompt: the table has the three caches, dense and
+    HiSparse find the key, and HiSparse's bytes are below dense's."""
+    from hisparse_jax.models.demo import run_demo
+    out = run_demo(tokens=640, depth=0.3, key=31337, budget_tokens=64, log=lambda m: None)
+    rows = out["rows"]
+    assert list(rows) == ["dense", "hisparse", "sink+window"]
+    assert rows["dense"]["hit"] and rows["hisparse"]["hit"]
+    assert rows["hisparse"]["cache_bytes"] < rows["dense"]["cache_bytes"]
+    text = capsys.readouterr().out
+    assert "the pass key is 31337" in text and "fewer bytes than dense" in text
