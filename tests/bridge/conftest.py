@@ -1,6 +1,7 @@
 """The bridge's tests. Most need torch and vLLM (the bridge environment, Python 3.11,
-jax 0.10.2: `make test-bridge`, bridge/setup_env.sh); test_bridge_runtime.py needs
-neither and also runs in the main suite (Python 3.12, jax 0.11.2).
+jax 0.10.2: `make test-bridge`, bridge/setup_env.sh); test_bridge_runtime.py and
+test_bridge_compat.py need neither and also run in the main suite (Python 3.12, jax
+0.11.2).
 
 Under an interpreter without torch and vLLM (the main .venv) the files that need them
 are not collected: they run in the bridge environment, which `make test` builds
