@@ -67,7 +67,7 @@ class Collect:
 def test_scheduler_interleaves_long_prefill_with_decodes(model, long_ids):
     m, tok = model
     eng = Engine(m, max_seqs=2, max_context=1024)
-    sched = Scheduler(eng, tok, max_waiting=1)
+    sched = Scheduler(eng, tok, max_waiting=0)  # a request needs a free slot
     short_ids = tok.encode("The capital of France is")
     a, b, c = Collect(), Collect(), Collect()
     ra = Request(short_ids, 12, GREEDY, a, eos=stop_ids(m, tok))
@@ -75,7 +75,7 @@ def test_scheduler_interleaves_long_prefill_with_decodes(model, long_ids):
     sched.step()  # admit and prefill the short prompt, one decode step
     assert len(a.ids) == 2
     sched.submit(Request(list(long_ids), 3, GREEDY, b))
-    with pytest.raises(QueueFull):  # one waiting already
+    with pytest.raises(QueueFull):  # the free slot is promised to the long prompt
         sched.submit(Request(short_ids, 2, GREEDY, c))
     for blocks in (1, 2):  # each step: one block of the long prompt AND a decode step
         before = len(a.ids)

@@ -110,7 +110,8 @@ class Scheduler:
         with self.cond:
             if not self.admitting:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_waiting:
+            free = self.slots.count(None)  # taken by the waiting ones at the next step
+            if len(self.waiting) >= self.max_waiting + free:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already "
                                 f"(--max-waiting {self.max_waiting})")
             self.waiting.append(req)
