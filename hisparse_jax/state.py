@@ -259,16 +259,16 @@ def append_token_offload(cfg: HiSparseConfig, state: CacheState, k: jax.Array, v
     return _append_token(cfg, state, k, v, active, implementation)
 
 
-def _append_token(cfg, state, k, v, active, implementation):
+def _move_pages(cfg, state, leave_hot, *, implementation):
+    """The page transitions of `_append_token`: in each sequence where `leave_hot`,
+    the oldest hot page moves to warm (fp8 encode) and the oldest warm page to cold
+    (int4 encode of the fp8 data, into a pool page popped from the free stack).
+    returns (state, pool_ids [B] (pool size: no new cold page), the new cold codes)."""
     pg, s, h, w = cfg.page_size, cfg.sink_pages, cfg.hot_pages, cfg.warm_pages
-    nb = state.seq_lens.shape[0]
-    b_idx = jnp.arange(nb)
-    pos = state.seq_lens
-    page, off = pos // pg, pos % pg
-    opens = active & (off == 0)
-    leave_hot = opens & (page - h >= s)           # page - h: hot -> warm
+    b_idx = jnp.arange(state.seq_lens.shape[0])
+    page = state.seq_lens // pg
     leave_warm = leave_hot & (page - h - w >= s)  # page - h - w: warm -> cold (or hot -> cold)
-    hot_base = s * pg + jnp.mod(page - s, h) * pg  # ring slot of `page` (== of page - h)
+    hot_base = s * pg + jnp.mod(page - s, h) * pg
 
     def page_rows(x, base):  # x [B, Hkv, T, D] -> [B, Hkv, pg, D] at per-sequence base
         return jax.vmap(lambda xb, bb: jax.lax.dynamic_slice_in_dim(xb, bb, pg, axis=1))(x, base)
@@ -310,18 +310,38 @@ def _append_token(cfg, state, k, v, active, implementation):
             fp8_k_scale=put_page(state.fp8_k_scale[..., None], fks[..., None], warm_base)[..., 0],
             fp8_v_scale=put_page(state.fp8_v_scale[..., None], fvs[..., None], warm_base)[..., 0])
 
+    state = state.replace(page_table=table, refcount=state.refcount.at[pool_ids].set(1, mode="drop"),
+                          num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
+    return state, pool_ids.astype(jnp.int32), new_cold
+
+
+def _append_token(cfg, state, k, v, active, implementation):
+    pg, s, h = cfg.page_size, cfg.sink_pages, cfg.hot_pages
+    nb = state.seq_lens.shape[0]
+    b_idx = jnp.arange(nb)
+    pos = state.seq_lens
+    page, off = pos // pg, pos % pg
+    leave_hot = active & (off == 0) & (page - h >= s)  # page - h: hot -> warm
+    hot_base = s * pg + jnp.mod(page - s, h) * pg      # ring slot of `page` (== of page - h)
+
+    # Pages move between tiers once every page_size tokens: skip the work (two
+    # pages' fp8/int4 encoding per sequence and layer) on the other steps.
+    move = functools.partial(_move_pages, cfg, implementation=implementation)
+    out = jax.eval_shape(move, state, leave_hot)
+    skip = lambda state, _: (state, jnp.full(nb, cfg.pool_pages, jnp.int32),
+                             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out[2]))
+    state, pool_ids, new_cold = jax.lax.cond(jnp.any(leave_hot), move, skip, state, leave_hot)
+
     # The new token: a sink slot or its hot ring slot.
     slot = jnp.where(page < s, pos, hot_base + off)
     slot = jnp.where(active, slot, state.bf16_k.shape[2])  # inactive: dropped
     bf16_k = state.bf16_k.at[b_idx, :, slot].set(k.astype(jnp.bfloat16), mode="drop")
     bf16_v = state.bf16_v.at[b_idx, :, slot].set(v.astype(jnp.bfloat16), mode="drop")
     finite = jnp.all(jnp.isfinite(k), axis=(1, 2)) & jnp.all(jnp.isfinite(v), axis=(1, 2))
-    state = state.replace(bf16_k=bf16_k, bf16_v=bf16_v, page_table=table,
-                          refcount=state.refcount.at[pool_ids].set(1, mode="drop"),
+    state = state.replace(bf16_k=bf16_k, bf16_v=bf16_v,
                           poisoned=state.poisoned | (active & ~finite),
-                          seq_lens=state.seq_lens + active.astype(jnp.int32),
-                          num_free=state.num_free - jnp.sum(leave_warm).astype(jnp.int32))
-    return state, pool_ids.astype(jnp.int32), new_cold
+                          seq_lens=state.seq_lens + active.astype(jnp.int32))
+    return state, pool_ids, new_cold
 
 
 # ---------------------------------------------------------------- release
