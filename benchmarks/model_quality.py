@@ -168,8 +168,8 @@ def run_nexttoken(model, tok, args, out):
         dense_lp.append(exact_logprobs(model, ids, t0))
     # The harness check: a dense engine's teacher-forced decode equals the exact
     # forward (the same attention over the same bf16 K/V).
-    cfgs = {"all": {"attention": "hisparse", "budget_tokens": FULL_BUDGET}}
-    cfgs.update({k: v for k, v in configs(args.tokens, args.fractions).items() if k != "dense"})
+    cfgs = {k: v for k, v in configs(args.tokens, args.fractions).items() if k != "dense"}
+    cfgs["all"] = {"attention": "hisparse", "budget_tokens": FULL_BUDGET}
     if args.check_dense:
         cfgs = {"dense": {"attention": "dense"}, **cfgs}
     seed_kv = Engine(model, max_seqs=len(docs), max_context=args.tokens + 1, attention="dense")
