@@ -46,7 +46,6 @@ from tqdm import tqdm
 from hisparse_jax import attention as att
 from hisparse_jax.config import FULL_BUDGET
 from hisparse_jax.models.engine import Engine
-from hisparse_jax.models.llama import RopeScaling
 from hisparse_jax.models.prompts import passkey_hit, passkey_ids
 from hisparse_jax.models.registry import load
 
@@ -233,14 +232,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
-    kw = {}
-    if args.rope_scaling:
-        kind, factor = args.rope_scaling.split(":")
-        model, _ = load(args.model)
-        trained = model.cfg.max_position
-        kw = {"rope_scaling": RopeScaling(kind, float(factor), trained),
-              "max_position": int(trained * float(factor))}
-    model, tok = load(args.model, **kw)
+    model, tok = load(args.model, rope_scaling=args.rope_scaling)
     with contextlib.ExitStack() as stack:
         out = sys.stdout if args.out == "-" else stack.enter_context(open(args.out, "a"))
         t = time.perf_counter()

@@ -437,3 +437,19 @@ def test_llama3_8b_shapes_small():
                                   np.asarray(b["embed"], np.float32))
     assert not np.array_equal(np.asarray(a["embed"], np.float32),
                               np.asarray(random_weights(small, seed=2)["embed"], np.float32))
+
+
+def test_rope_scaling_override_extends_the_trained_length():
+    """`load(..., rope_scaling="KIND:FACTOR")` (the CLI's --rope-scaling) scales from
+    the checkpoint's trained length and grows max_position by FACTOR."""
+    from hisparse_jax.models.llama import rope_frequencies
+    base, _ = registry.load("llama3-8b-shapes", num_layers=1)
+    for text, kind in (("linear:2", "linear"), ("llama3:4", "llama3"), ("yarn:4", "yarn")):
+        m, _ = registry.load("llama3-8b-shapes", num_layers=1, rope_scaling=text)
+        s = m.cfg.rope_scaling
+        assert (s.kind, s.original_max_position) == (kind, base.cfg.max_position)
+        assert m.cfg.max_position == base.cfg.max_position * s.factor
+        f0, f1 = rope_frequencies(base.cfg)[0], rope_frequencies(m.cfg)[0]
+        assert np.all(f1 <= f0) and np.any(f1 < f0)  # slower rotations: longer wavelengths
+    with pytest.raises(ValueError, match="expected KIND:FACTOR"):
+        registry.load("llama3-8b-shapes", num_layers=1, rope_scaling="llama3")

@@ -91,11 +91,15 @@ def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
 
 
 def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
-        budget_tokens: int | None = None, threads: int = 2, log=print) -> Iterator[dict]:
+        budget_tokens: int | None = None, threads: int = 2, log=print,
+        **overrides) -> Iterator[dict]:
     """Rows, one per (context, batch, engine); llama.cpp once per context (batch 1).
     budget_tokens None: a 16th of each context (a multiple of 16, at least 64)."""
     from hisparse_jax.models.registry import load, resolve
     src = resolve(model_name)
+    if "llamacpp" in engines and overrides:
+        log("llama.cpp skipped: it runs the checkpoint's own RoPE")
+        engines = tuple(e for e in engines if e != "llamacpp")
     if "llamacpp" in engines:
         why = (f"{model_name} is not a GGUF model" if src.kind != "gguf" else
                None if llamacpp_available() else "llama-cpp-python is not installed "
@@ -103,7 +107,7 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
         if why:
             log(f"llama.cpp skipped: {why}")
             engines = tuple(e for e in engines if e != "llamacpp")
-    model, tok = load(model_name)
+    model, tok = load(model_name, **overrides)  # rope_theta, rope_scaling
     for context in contexts:
         ids = prompt(tok, model.cfg.vocab_size, context)
         budget = budget_tokens or max(64, context // 16 // 16 * 16)

@@ -59,7 +59,7 @@ def main_generate(args):
         _fail("generate", f"--budget-tokens {args.budget_tokens}: must be a multiple of 16 "
                           "(the page size) or 'all'")
     try:
-        model, tok = load(args.model)
+        model, tok = load(args.model, **rope_overrides(args))
         ids = prompt_ids(tok, text, args.chat)
         limit = args.max_context or model.cfg.max_position
         if len(ids) >= limit:
@@ -80,6 +80,20 @@ def main_generate(args):
         _fail("generate", e)
     sys.stdout.write("\n")
     _log(gen.summary.line())
+
+
+def rope_overrides(args) -> dict:
+    """--rope-theta / --rope-scaling as `registry.load`'s overrides."""
+    return {k: v for k, v in (("rope_theta", args.rope_theta),
+                              ("rope_scaling", args.rope_scaling)) if v is not None}
+
+
+def add_rope_flags(p):
+    p.add_argument("--rope-theta", type=number(1.0, above=True), default=None, metavar="X",
+                   help="override the checkpoint's RoPE base")
+    p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
+                   help="extend past the trained length: linear, llama3 or yarn, e.g. "
+                        "llama3:4 (the max context becomes FACTOR x the trained length)")
 
 
 def main_export(args):
@@ -115,7 +129,7 @@ def main_bench_generate(args):
         print(" ".join(f"{c:>14}" for c in cols))
     try:
         for row in run(args.model, args.context, args.batch, engines, args.decode,
-                       args.budget_tokens, args.threads, log=_log):
+                       args.budget_tokens, args.threads, log=_log, **rope_overrides(args)):
             row["command"] = args.command_line
             if args.json:
                 print(json.dumps(row), flush=True)
@@ -145,6 +159,7 @@ def add_model_bench_parsers(bench_subparsers):
                    help="HiSparse cold tokens per KV head (default: a 16th of the context)")
     b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
     b.add_argument("--json", action="store_true", help="one JSON line per row")
+    add_rope_flags(b)
     b.set_defaults(func=main_bench_generate)
     return b
 
@@ -177,6 +192,7 @@ def add_model_parsers(subparsers):
                    help="cold tokens attended per KV head (multiple of 16), or 'all'")
     g.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                    help="cache size in tokens (default: prompt + max tokens)")
+    add_rope_flags(g)
     g.set_defaults(func=main_generate)
 
     e = subparsers.add_parser("export", help="write a model as a bf16 HF checkpoint")

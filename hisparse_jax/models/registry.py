@@ -160,16 +160,18 @@ def resolve(model: str) -> Source:
 
 
 def load(model: str, *, num_layers: int | None = None, seed: int = 0,
-         rope_theta: float | None = None, rope_scaling: RopeScaling | None = None,
+         rope_theta: float | None = None, rope_scaling: RopeScaling | str | None = None,
          max_position: int | None = None):
     """(Llama, Tokenizer or None). num_layers keeps the first n layers (random
     models: builds only n); rope_theta / rope_scaling / max_position override the
-    checkpoint's (e.g. to run past the trained context)."""
+    checkpoint's (e.g. to run past the trained context). rope_scaling "KIND:FACTOR"
+    (linear, llama3 or yarn) scales from the checkpoint's trained length, and
+    max_position becomes FACTOR times it."""
     src = resolve(model)
     overrides = {k: v for k, v in (("rope_theta", rope_theta), ("rope_scaling", rope_scaling),
                                    ("max_position", max_position)) if v is not None}
     if src.kind == "random":
-        cfg = MODELS[model].config.replace(**overrides)
+        cfg = _with_overrides(MODELS[model].config, overrides)
         if num_layers is not None:
             cfg = cfg.replace(num_layers=num_layers)
         return Llama(cfg, random_weights(cfg, seed)), None
@@ -184,4 +186,21 @@ def load(model: str, *, num_layers: int | None = None, seed: int = 0,
             raise ValueError(f"num_layers={num_layers}: the model has {cfg.num_layers}")
         weights["layers"] = {k: v[:num_layers] for k, v in weights["layers"].items()}
         cfg = cfg.replace(num_layers=num_layers)
-    return Llama(cfg.replace(**overrides), weights), tok
+    return Llama(_with_overrides(cfg, overrides), weights), tok
+
+
+def _with_overrides(cfg, overrides: dict):
+    scaling = overrides.get("rope_scaling")
+    if isinstance(scaling, str):
+        kind, _, factor = scaling.partition(":")
+        try:
+            factor = float(factor)
+        except ValueError:
+            raise ValueError(f"rope_scaling={scaling!r}: expected KIND:FACTOR, e.g. llama3:4")
+        try:
+            built = RopeScaling(kind, factor, cfg.max_position)
+        except ValueError as e:
+            raise ValueError(f"rope_scaling={scaling!r}: {e}")
+        overrides = {"max_position": int(cfg.max_position * factor), **overrides,
+                     "rope_scaling": built}
+    return cfg.replace(**overrides)
