@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "hisparse_jax.serving", "--max-seqs", "4", "--max-context",
            str(CONTEXT), "--max-waiting", "12", "--api-key", KEY, "--port", str(port),
-           "--price-per-hour", "2.0"]
+           "--price-per-hour", "2.0", "--record-traffic", str(log.with_name("traffic.jsonl"))]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -74,11 +74,16 @@ def tok():
 
 
 def _metrics(server) -> dict[str, float]:
+    """/metrics as {series: value}, the (single) model_name label left out."""
     text = httpx.get(server["url"] + "/metrics").text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
+            base, _, labels = name.partition("{")
+            keep = [x for x in re.findall(r'\w+="[^"]*"', labels)
+                    if not x.startswith("model_name=")]
+            name = base + ("{" + ",".join(keep) + "}" if keep else "")
             out[name] = float(value)
     return out
 
@@ -102,7 +107,8 @@ def test_start_logs_capacity_models_and_lineage(server, client):
     assert re.fullmatch(r"[0-9a-f]{64}", lin["model_sha256"])
     assert set(lin) == {"model_sha256", "cache_config_sha256", "package_version", "git_commit"}
     r = httpx.get(server["url"] + "/health")
-    assert r.headers["x-hisparse-lineage"].startswith(f"model_sha256={lin['model_sha256']};")
+    assert r.headers["x-hisparse-lineage"].startswith(
+        f"model={MODEL};model_sha256={lin['model_sha256']};")
 
 
 def test_completion_usage_logprobs_and_stop(client, tok):
@@ -275,6 +281,19 @@ def test_bench_serve_against_the_server(server, capsys):
     assert row["goodput"] == pytest.approx(row["request_throughput"])
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert 0 < row[k]["median"] <= row[k]["p99"]
+
+
+def test_recorded_traffic_replays(server, capsys):
+    from hisparse_jax.cli import main
+    traffic = server["log"].with_name("traffic.jsonl")
+    rows = [json.loads(line) for line in traffic.read_text().splitlines()]
+    assert rows[0]["prompt"] == FRANCE and rows[0]["max_tokens"] == 8
+    assert any("messages" in r for r in rows) and all("timestamp" in r for r in rows)
+    main(["bench", "serve", "--base-url", server["url"], "--api-key", KEY, "--tokenizer",
+          "none", "--dataset", "replay", "--dataset-path", str(traffic), "--num-prompts", "3",
+          "--replay-speed", "1000", "--warmup", "0", "--no-progress", "--json", "-"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["completed"] == 3 and row["output_tokens"] == 8 + 8 + 8
 
 
 def test_queue_full_answers_503_with_retry_after(server):

@@ -439,6 +439,14 @@ class Engine:
         if self._stage_slot == slot:  # a chunked prefill abandoned
             self._stage_slot = None
 
+    def pool_usage(self) -> tuple[int, int]:
+        """(cold pool pages in use, pool pages), summed over the layers, read from
+        the live pool (a device read); (0, 0) for a dense engine."""
+        if self.cache_cfg is None:
+            return 0, 0
+        total = self.cache_cfg.pool_pages * self.model.cfg.num_layers
+        return total - int(jnp.sum(self.caches.num_free)), total
+
     def room(self, slot: int) -> int:
         """Tokens slot `slot` can still take."""
         return self.max_context - int(self.lens[slot])

@@ -41,7 +41,7 @@ log = logging.getLogger("hisparse.serve")
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    model: str = "smollm2-135m"
+    models: tuple[str, ...] = ("smollm2-135m",)  # each: its own engine, caches, thread
     max_seqs: int = 8
     max_context: int | None = None  # None: the model's trained context
     attention: str = "hisparse"
@@ -53,8 +53,12 @@ class ServeConfig:
     max_waiting: int = 64
     prefill_budget: int = PREFILL_CHUNK  # prompt tokens per engine step
     shutdown_timeout: float = 30.0       # SIGTERM: seconds to finish running requests
+    record_traffic: str | None = None    # append each accepted request to this .jsonl
 
     def __post_init__(self):
+        if not (isinstance(self.models, tuple) and self.models
+                and all(isinstance(m, str) and m for m in self.models)):
+            raise ValueError(f"models={self.models!r}: must be a non-empty tuple of names")
         check_int("max_seqs", self.max_seqs, minimum=1)
         if self.max_context is not None:
             check_int("max_context", self.max_context, minimum=2)
@@ -146,7 +150,7 @@ class ChatRequest(_Common):
 
 # ---------------------------------------------------------------- lineage
 
-def lineage(cfg: ServeConfig, engine, model_path: pathlib.Path | None) -> dict:
+def lineage(engine, model_path: pathlib.Path | None) -> dict:
     """What produced an answer: the model file's sha256, a hash of the cache
     configuration, the package version and its git commit."""
     from importlib.metadata import PackageNotFoundError, version
@@ -184,33 +188,63 @@ def lineage_header(lin: dict) -> str:
 # ---------------------------------------------------------------- the app
 
 @dataclasses.dataclass
-class State:
-    cfg: ServeConfig
-    name: str  # the served model's id
+class Served:
+    """One served model: its engine (caches and pools of its own), its scheduler
+    thread, its metrics series."""
+    name: str  # the id requests name in "model"
+    source: str
     engine: object
     tokenizer: object
     eos: tuple[int, ...]
     scheduler: Scheduler
-    metrics: Metrics
+    metrics: object  # Metrics.bind(name)
     lineage: dict
+
+    @property
+    def header(self) -> str:
+        return lineage_header({"model": self.name, **self.lineage})
+
+
+@dataclasses.dataclass
+class State:
+    cfg: ServeConfig
+    models: dict[str, Served]  # the first is the default
+    metrics: Metrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def admitting(self) -> bool:
+        return all(m.scheduler.admitting for m in self.models.values())
+
+    def stop_admitting(self):
+        for m in self.models.values():
+            m.scheduler.admitting = False
+
+    def record(self, row: dict):
+        """--record-traffic: one line per accepted request, in `bench serve --dataset
+        replay`'s format ({"timestamp", "prompt" or "messages", "max_tokens", ...})."""
+        if self.cfg.record_traffic:
+            with open(self.cfg.record_traffic, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"timestamp": time.time(), **row}) + "\n")
 
 
 def build_app(st: State) -> FastAPI:
-    header = lineage_header(st.lineage)
+    header = ", ".join(m.header for m in st.models.values())  # routes not about one model
 
     async def lifespan(app):
-        st.scheduler.start()
+        for m in st.models.values():
+            m.scheduler.start()
         yield
         # uvicorn has closed the socket and waited for the open requests
-        await asyncio.to_thread(st.scheduler.stop, st.cfg.shutdown_timeout)
+        for m in st.models.values():
+            await asyncio.to_thread(m.scheduler.stop, st.cfg.shutdown_timeout)
 
     app = FastAPI(title="hisparse", lifespan=lifespan)
 
     @app.middleware("http")
     async def add_lineage(request, call_next):
         response = await call_next(request)
-        response.headers["x-hisparse-lineage"] = header
+        response.headers.setdefault("x-hisparse-lineage", header)
         return response
 
     @app.exception_handler(APIError)
@@ -241,34 +275,38 @@ def build_app(st: State) -> FastAPI:
             req = schema.model_validate(body)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if req.model is not None and req.model != st.name:
+        ms = st.models.get(req.model or next(iter(st.models)))
+        if ms is None:
             raise APIError(404, f"The model `{req.model}` does not exist (this server "
-                           f"serves `{st.name}`)", param="model", code="model_not_found")
-        return req
+                           f"serves {', '.join(f'`{m}`' for m in st.models)})", param="model",
+                           code="model_not_found")
+        return req, ms
 
     @app.get("/health")
     async def health():
-        if not st.scheduler.admitting:
+        if not st.admitting:
             raise APIError(503, "shutting down", type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        st.metrics.update_cost(st.scheduler.generated, st.scheduler.busy_s)
+        for m in st.models.values():
+            st.metrics.update_cost(m.metrics, m.scheduler.generated, m.scheduler.busy_s)
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
         auth(request)
         return {"object": "list", "data": [{
-            "id": st.name, "object": "model", "created": st.created, "owned_by": "hisparse",
-            "root": st.cfg.model, "max_model_len": st.engine.max_context,
-            "attention": st.engine.attention, "lineage": st.lineage}]}
+            "id": m.name, "object": "model", "created": st.created, "owned_by": "hisparse",
+            "root": m.source, "max_model_len": m.engine.max_context,
+            "attention": m.engine.attention, "lineage": m.lineage}
+            for m in st.models.values()]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        r = await parse(request, CompletionRequest)
+        r, ms = await parse(request, CompletionRequest)
         prompt = r.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -278,32 +316,34 @@ def build_app(st: State) -> FastAPI:
         if r.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if isinstance(prompt, str):
-            if st.tokenizer is None:
+            if ms.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids",
                                param="prompt")
-            ids = st.tokenizer.encode(prompt)
+            ids = ms.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-            vocab = st.engine.model.cfg.vocab_size
+            vocab = ms.engine.model.cfg.vocab_size
             if any(not 0 <= i < vocab for i in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})",
                                param="prompt")
         if r.logprobs is not None and not 0 <= r.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
-        req = make_request(r, ids, r.max_tokens, r.logprobs)
-        return await respond(request, r, req, "text_completion")
+        req = make_request(ms, r, ids, r.max_tokens, r.logprobs)
+        st.record({"model": ms.name, "prompt": prompt, "max_tokens": req.max_tokens,
+                   "temperature": req.sampling.temperature})
+        return await respond(request, ms, r, req, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
-        r = await parse(request, ChatRequest)
-        if st.tokenizer is None or not st.tokenizer.chat_template:
+        r, ms = await parse(request, ChatRequest)
+        if ms.tokenizer is None or not ms.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template", param="messages")
         if not r.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(p.text for p in m.content or ())} for m in r.messages]
         try:
-            ids = st.tokenizer.chat_ids(messages)
+            ids = ms.tokenizer.chat_ids(messages)
         except Exception as e:  # noqa: BLE001 (the template's own error, as a 400)
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
         top = None
@@ -313,15 +353,18 @@ def build_app(st: State) -> FastAPI:
                 raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None \
             else r.max_tokens
-        req = make_request(r, ids, max_tokens, top)
-        return await respond(request, r, req, "chat.completion")
+        req = make_request(ms, r, ids, max_tokens, top)
+        st.record({"model": ms.name, "messages": messages, "max_tokens": req.max_tokens,
+                   "temperature": req.sampling.temperature})
+        return await respond(request, ms, r, req, "chat.completion")
 
-    def make_request(r: _Common, ids: list[int], max_tokens: int | None, logprobs):
+    def make_request(ms: Served, r: _Common, ids: list[int], max_tokens: int | None,
+                     logprobs):
         if r.n != 1:
             raise APIError(400, f"n={r.n}: only n=1 is supported", param="n")
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        limit = st.engine.max_context
+        limit = ms.engine.max_context
         if max_tokens is None:
             max_tokens = limit - len(ids)
         if max_tokens < 1:
@@ -347,18 +390,18 @@ def build_app(st: State) -> FastAPI:
         stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
-        if stops and st.tokenizer is None:
+        if stops and ms.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer", param="stop")
         return Request(ids=ids, max_tokens=max_tokens, sampling=sampling, sink=None,
-                       stops=tuple(stops), eos=() if r.ignore_eos else st.eos,
+                       stops=tuple(stops), eos=() if r.ignore_eos else ms.eos,
                        logprobs=logprobs)
 
-    async def respond(http: HTTPRequest, r: _Common, req: Request, kind: str):
+    async def respond(http: HTTPRequest, ms: Served, r: _Common, req: Request, kind: str):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         try:
-            st.scheduler.submit(req)
+            ms.scheduler.submit(req)
         except QueueFull as e:
             raise APIError(503, f"overloaded: {e}", type="server_error", code="overloaded",
                            headers={"Retry-After": "1"}) from None
@@ -367,8 +410,9 @@ def build_app(st: State) -> FastAPI:
         chat = kind == "chat.completion"
         if r.stream:
             usage = r.stream_options is not None and r.stream_options.include_usage
-            return StreamingResponse(stream(req, events, rid, created, chat, usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream(ms, req, events, rid, created, chat, usage),
+                                     media_type="text/event-stream",
+                                     headers={"x-hisparse-lineage": ms.header})
         tokens: list[Token] = []
         ev = None
         try:
@@ -383,26 +427,28 @@ def build_app(st: State) -> FastAPI:
                     tokens.append(ev)
         finally:
             if not isinstance(ev, Finish):  # gone, or the server is stopping
-                st.scheduler.cancel(req)
+                ms.scheduler.cancel(req)
         if ev.reason == "error":
             raise APIError(500, f"the engine failed: {ev.message}", type="server_error")
         text = "".join(t.text for t in tokens)
         choice = {"index": 0, "finish_reason": _reason(ev)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = _chat_logprobs(tokens) if req.logprobs is not None else None
+            choice["logprobs"] = (_chat_logprobs(ms, tokens) if req.logprobs is not None
+                                  else None)
         else:
             choice["text"] = text
-            choice["logprobs"] = _logprobs(tokens) if req.logprobs is not None else None
-        return {"id": rid, "object": kind, "created": created, "model": st.name,
+            choice["logprobs"] = _logprobs(ms, tokens) if req.logprobs is not None else None
+        body = {"id": rid, "object": kind, "created": created, "model": ms.name,
                 "choices": [choice], "usage": _usage(ev)}
+        return JSONResponse(body, headers={"x-hisparse-lineage": ms.header})
 
-    async def stream(req: Request, events, rid, created, chat, include_usage):
+    async def stream(ms: Served, req: Request, events, rid, created, chat, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
         done = False
 
         def chunk(choices, usage=None):
-            body = {"id": rid, "object": kind, "created": created, "model": st.name,
+            body = {"id": rid, "object": kind, "created": created, "model": ms.name,
                     "choices": choices}
             if include_usage:
                 body["usage"] = usage
@@ -420,11 +466,12 @@ def build_app(st: State) -> FastAPI:
                     continue  # nothing to show yet (an EOS, text held back)
                 if chat:
                     c = {"index": 0, "delta": {"content": ev.text}, "finish_reason": None,
-                         "logprobs": _chat_logprobs([ev]) if req.logprobs is not None
+                         "logprobs": _chat_logprobs(ms, [ev]) if req.logprobs is not None
                          else None}
                 else:
                     c = {"index": 0, "text": ev.text, "finish_reason": None,
-                         "logprobs": _logprobs([ev]) if req.logprobs is not None else None}
+                         "logprobs": _logprobs(ms, [ev]) if req.logprobs is not None
+                         else None}
                 yield chunk([c])
             done = True
             last = {"index": 0, "finish_reason": _reason(ev), "logprobs": None}
@@ -439,18 +486,18 @@ def build_app(st: State) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away (or the server is stopping)
-                st.scheduler.cancel(req)
+                ms.scheduler.cancel(req)
 
-    def _logprobs(tokens: list[Token]) -> dict:
+    def _logprobs(ms: Served, tokens: list[Token]) -> dict:
         toks = [t for t in tokens if t.id is not None]
-        dec = st.tokenizer.decode if st.tokenizer is not None else str
+        dec = ms.tokenizer.decode if ms.tokenizer is not None else str
         return {"tokens": [dec([t.id]) for t in toks],
                 "token_logprobs": [t.logprob for t in toks],
                 "top_logprobs": [{dec([i]): lp for i, lp in t.top} for t in toks],
                 "text_offset": [0, *itertools.accumulate(len(t.text) for t in toks)][:len(toks)]}
 
-    def _chat_logprobs(tokens: list[Token]) -> dict:
-        dec = st.tokenizer.decode if st.tokenizer is not None else str
+    def _chat_logprobs(ms: Served, tokens: list[Token]) -> dict:
+        dec = ms.tokenizer.decode if ms.tokenizer is not None else str
         return {"content": [{"token": dec([t.id]), "logprob": t.logprob, "bytes": None,
                              "top_logprobs": [{"token": dec([i]), "logprob": lp, "bytes": None}
                                               for i, lp in t.top]}

@@ -5,8 +5,9 @@ token throughput, and goodput under an SLO.
 
 Datasets: `random` (fixed or ranged lengths), `lognormal-bimodal` (lognormal
 prompt lengths; most answers short, some long), `prefix` (one shared document,
-many questions), `replay FILE.jsonl` (lines {"prompt", "max_tokens", optional
-"timestamp" in seconds}: sent at their times). Arrivals are Poisson at
+many questions), `replay FILE.jsonl` (lines {"prompt" or "messages",
+"max_tokens", optional "timestamp" in seconds}: sent at their times; `hisparse
+serve --record-traffic FILE` writes them). Arrivals are Poisson at
 --request-rate (inf: all at once), at most --max-concurrency in flight; the
 --warmup requests before them are excluded from the figures.
 """
@@ -30,7 +31,7 @@ SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]  # text, token ids, or chat messages (replay)
     max_tokens: int
     at: float | None = None  # replay: seconds after the start
 
@@ -108,7 +109,8 @@ def build_jobs(args, tokenizer) -> list[Job]:
                     continue
                 try:
                     row = json.loads(line)
-                    jobs.append(Job(row["prompt"], int(row.get("max_tokens", 128)),
+                    prompt = row["messages"] if "messages" in row else row["prompt"]
+                    jobs.append(Job(prompt, int(row.get("max_tokens", 128)),
                                     float(row["timestamp"]) if "timestamp" in row else None))
                 except (ValueError, KeyError, TypeError) as e:
                     raise CLIError(f"{args.dataset_path}:{k}: not a request line ({e})") \
@@ -125,12 +127,15 @@ def build_jobs(args, tokenizer) -> list[Job]:
 # ---------------------------------------------------------------- the client
 
 async def one(client, args, model: str, job: Job) -> Result:
-    chat = args.endpoint == "chat"
+    messages = isinstance(job.prompt, list) and job.prompt and isinstance(job.prompt[0], dict)
+    chat = args.endpoint == "chat" or messages
     body = {"model": model, "max_tokens": job.max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
-    if chat:
+    if messages:
+        body["messages"] = job.prompt
+    elif chat:
         text = job.prompt if isinstance(job.prompt, str) else " ".join(map(str, job.prompt))
         body["messages"] = [{"role": "user", "content": text}]
     else:

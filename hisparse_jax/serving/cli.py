@@ -20,32 +20,41 @@ log = logging.getLogger("hisparse.serve")
 
 
 def build_state(cfg):
-    """Load the model, build the engine (compiled for short prompts) and the
+    """Load each model, build its engine (compiled for short prompts) and its
     scheduler: everything `app.build_app` serves."""
     import pathlib
 
     from hisparse_jax.models.engine import Engine
     from hisparse_jax.models.generate import stop_ids
     from hisparse_jax.models.registry import load, resolve
-    from hisparse_jax.serving.app import State, lineage
+    from hisparse_jax.serving.app import Served, State, lineage
     from hisparse_jax.serving.metrics import Metrics
     from hisparse_jax.serving.scheduler import Scheduler
 
-    src = resolve(cfg.model)
-    model, tok = load(cfg.model)
-    context = cfg.max_context or model.cfg.max_position
-    engine = Engine(model, max_seqs=cfg.max_seqs, max_context=context,
-                    attention=cfg.attention, budget_tokens=cfg.budget_tokens)
-    log.info("%s, %d sequences of %d tokens", engine.capacity_line(), cfg.max_seqs, context)
-    log.info("compiling (%s attention) ...", cfg.attention)
-    log.info("compiled in %.1f s", engine.warmup())
-    name = cfg.model if src.kind != "hf" else pathlib.Path(cfg.model).name
-    metrics = Metrics(name, cfg.price_per_hour)
-    sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
-                      prefill_budget=cfg.prefill_budget, metrics=metrics)
-    return State(cfg=cfg, name=name, engine=engine, tokenizer=tok,
-                 eos=stop_ids(model, tok), scheduler=sched, metrics=metrics,
-                 lineage=lineage(cfg, engine, src.path))
+    metrics = Metrics(cfg.price_per_hour)
+    models = {}
+    for source in cfg.models:
+        src = resolve(source)
+        name = source if src.path is None or src.kind == "gguf" and not pathlib.Path(
+            source).exists() else pathlib.Path(source).stem
+        if name in models:
+            raise ValueError(f"--model {source}: served twice as {name!r}")
+        model, tok = load(source)
+        context = cfg.max_context or model.cfg.max_position
+        engine = Engine(model, max_seqs=cfg.max_seqs, max_context=context,
+                        attention=cfg.attention, budget_tokens=cfg.budget_tokens)
+        log.info("%s: %s, %d sequences of %d tokens", name, engine.capacity_line(),
+                 cfg.max_seqs, context)
+        log.info("%s: compiling (%s attention) ...", name, cfg.attention)
+        log.info("%s: compiled in %.1f s", name, engine.warmup())
+        bound = metrics.bind(name)
+        sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
+                          prefill_budget=cfg.prefill_budget, metrics=bound)
+        models[name] = Served(name=name, source=source, engine=engine, tokenizer=tok,
+                              eos=stop_ids(model, tok), scheduler=sched, metrics=bound,
+                              lineage=lineage(engine, src.path))
+        log.info("%s: lineage %s", name, models[name].lineage)
+    return State(cfg=cfg, models=models, metrics=metrics)
 
 
 def serve(cfg):
@@ -59,7 +68,6 @@ def serve(cfg):
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
     st = build_state(cfg)
-    log.info("lineage: %s", st.lineage)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -68,7 +76,7 @@ def serve(cfg):
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
-            st.scheduler.admitting = False  # /health answers 503 from now on
+            st.stop_admitting()  # /health answers 503 from now on
 
     config = uvicorn.Config(build_app(st), host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=max(1, int(cfg.shutdown_timeout)),
@@ -79,11 +87,11 @@ def serve(cfg):
 
 def main_serve(args):
     from hisparse_jax.serving.app import ServeConfig
-    cfg = ServeConfig(model=args.model, max_seqs=args.max_seqs, max_context=args.max_context,
+    cfg = ServeConfig(models=tuple(args.model or ["smollm2-135m"]), max_seqs=args.max_seqs, max_context=args.max_context,
                       attention=args.attention, budget_tokens=args.budget_tokens,
                       api_key=args.api_key, host=args.host, port=args.port,
                       price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
-                      prefill_budget=args.prefill_budget)
+                      prefill_budget=args.prefill_budget, record_traffic=args.record_traffic)
     serve(cfg)
 
 
@@ -93,8 +101,10 @@ def add_serving_parsers(subparsers):
 
     s = subparsers.add_parser("serve", help="an OpenAI-compatible server (continuous "
                               "batching over HiSparse)")
-    s.add_argument("--model", default="smollm2-135m",
-                   help=f"a name ({', '.join(sorted(MODELS))}), a .gguf file or an HF folder")
+    s.add_argument("--model", action="append", default=None,
+                   help=f"a name ({', '.join(sorted(MODELS))}), a .gguf file or an HF folder; "
+                        "repeat it to serve several models, routed by the request's "
+                        "'model' (default smollm2-135m)")
     s.add_argument("--max-seqs", type=positive_int, default=8, metavar="N",
                    help="sequence slots (requests decoded together)")
     s.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
@@ -113,6 +123,9 @@ def add_serving_parsers(subparsers):
                    help="wait queue bound; beyond it requests get 503 + Retry-After")
     s.add_argument("--prefill-budget", type=positive_int, default=512, metavar="TOKENS",
                    help="prompt tokens prefilled per engine step, between decode steps")
+    s.add_argument("--record-traffic", default=None, metavar="FILE.jsonl",
+                   help="append every accepted request (with its arrival time) to FILE, "
+                        "for `hisparse bench serve --dataset replay`")
     s.set_defaults(func=main_serve)
     return subparsers
 

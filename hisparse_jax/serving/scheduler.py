@@ -209,6 +209,9 @@ class Scheduler:
                 self._emit(int(slot), int(nxt[slot]), None if logits is None else logits[slot])
         with self.cond:
             self._gauges()
+        if self.metrics is not None:
+            used, total = eng.pool_usage()
+            self.metrics.pool_usage.set(used / total if total else 0.0)
 
     def _emit(self, slot: int, token: int, logits):
         seq = self.slots[slot]
