@@ -8,7 +8,10 @@ concurrency) appended to --out.
 Each server is started on a free loopback port, waited for, measured and stopped
 by PID. llama.cpp runs with 2 threads and OMP_WAIT_POLICY=passive (its spinning
 threads otherwise starve everything else on a 2-core machine); it serves one
-request at a time (no batching in llama-cpp-python's server).
+request at a time (no batching in llama-cpp-python's server), and with
+--interrupt_requests False (its default cuts a running stream short when the next
+request arrives). It ignores `ignore_eos` and sends no usage: its output tokens are
+the streamed chunks, and a request may end early at EOS.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def main():
                 continue
             cmd = [a.llama_python, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx",
                    str(a.max_context), "--n_threads", "2", "--n_batch", "512", "--host",
-                   "127.0.0.1", "--port", str(port), "--model_alias", "smollm2-135m"]
+                   "127.0.0.1", "--port", str(port), "--model_alias", "smollm2-135m",
+                   "--interrupt_requests", "False"]  # else a new request cuts the running one
             proc = start(cmd, {"OMP_WAIT_POLICY": "passive"}, f"/tmp/serve_{name}.log")
         else:
             cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", name,

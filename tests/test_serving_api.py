@@ -99,8 +99,8 @@ FRANCE = "The capital of France is"
 
 def test_start_logs_capacity_models_and_lineage(server, client):
     log = server["log"].read_text()
-    assert re.search(r"HiSparse KV cache: [\d.]+x capacity vs bf16 \(device .*\) per layer, "
-                     r"30 layers, 4 sequences of 1024 tokens", log)
+    assert re.search(r"HiSparse KV cache: [\d.]+x capacity vs bf16 \(device [\d.]+ MiB, host "
+                     r"[\d.]+ MiB\), 4 sequences of 1024 tokens", log)
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     lin = models.data[0].model_extra["lineage"]
@@ -219,6 +219,31 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     key = 'hisparse:request_success_total{finished_reason="abort"}'
     assert after.get(key, 0) == before.get(key, 0) + 1
     assert after["hisparse:kv_cache_usage_perc"] == 0
+
+
+def test_prewarm_skips_the_documents_prefill(server, tok):
+    doc = tok.encode("The pass key is 71432. Remember it. " +
+                     "The grass is green. The sky is blue. " * 70)[:600]
+    question = tok.encode("\nWhat is the pass key? The pass key is")
+    body = {"prompt": doc + question, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cold = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    before = _metrics(server)
+    r = _post(server, "/v1/prewarm", {"context_id": "doc1", "prompt": doc})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_tokens"] == 600 and r.json()["cached_tokens"] == 512
+    warm = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    named = _post(server, "/v1/completions", {**body, "prompt": question, "context_id": "doc1"})
+    assert warm == cold == named.json()["choices"][0]["text"]  # bit-equal prefill
+    after = _metrics(server)
+    assert after["hisparse:prefix_cache_hits_total"] - \
+        before["hisparse:prefix_cache_hits_total"] == 2 * 512
+    r = httpx.delete(server["url"] + "/v1/prewarm/doc1", headers={"Authorization":
+                                                                   f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["deleted"]
+    r = _post(server, "/v1/completions", {**body, "prompt": question, "context_id": "doc1"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "context_id"
+    r = _post(server, "/v1/prewarm", {"context_id": "short", "prompt": FRANCE})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 LOAD_PROMPTS = [

@@ -39,6 +39,11 @@ def test_chunked_prefill_equals_prefill(model, long_ids, attention):
     got = eng.prefill_chunk(1, long_ids, PREFILL_CHUNK, samp)
     assert got == first and eng.lens[1] == len(long_ids)
     np.testing.assert_array_equal(np.asarray(eng.logits), ref)
+    # prefix reuse: the first block's K/V staged again, only the second block run
+    k, v = eng.staged_kv(PREFILL_CHUNK)
+    eng.stage_kv(1, k, v)
+    assert eng.prefill_chunk(1, long_ids, PREFILL_CHUNK, samp) == first
+    np.testing.assert_array_equal(np.asarray(eng.logits), ref)
     for _ in range(4):
         nxt = eng.decode_step()
         assert nxt[0] == nxt[1]
@@ -101,3 +106,42 @@ def test_scheduler_interleaves_long_prefill_with_decodes(model, long_ids):
     sched.cancel(rd)
     sched.step()
     assert d.finish.reason == "abort" and sched.running() == 0 and eng.lens[0] == 0
+
+
+def test_nan_in_one_sequence_never_reaches_another(model, long_ids):
+    """A slot whose K/V hold NaN (poisoned) decodes next to a healthy one: the
+    healthy slot's tokens and logits are bit-equal to those of an engine where
+    it runs alone."""
+    m, tok = model
+    ids = tok.encode("The capital of France is")
+    mc = m.cfg
+    nan = np.full((mc.num_layers, 40, mc.num_kv_heads, mc.head_dim), np.nan, np.float32)
+    both, alone = (Engine(m, max_seqs=2, max_context=1024) for _ in range(2))
+    for eng in (both, alone):
+        eng.prefill(0, ids)
+    both.prefill_kv(1, nan, nan, next_token=5)
+    assert np.asarray(both.caches.poisoned)[:, 1].all()
+    for _ in range(3):
+        a = both.decode_step(np.array([True, True]))
+        b = alone.decode_step(np.array([True, False]))
+        assert a[0] == b[0]
+        np.testing.assert_array_equal(np.asarray(both.logits)[0], np.asarray(alone.logits)[0])
+    assert np.isnan(np.asarray(both.logits)[1]).all()  # the poisoned one is NaN, visibly
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--max-seqs", "0"], "argument --max-seqs: must be >= 1"),
+    (["serve", "--kv-cache-memory", "12XB"], "cannot parse size '12XB'"),
+    (["serve", "--attention", "sparse"], "argument --attention: invalid choice"),
+    (["bench", "serve", "--slo", "latency=5"], "--slo 'latency=5': keys are ttft_ms"),
+    (["bench", "serve", "--slo", "ttft_ms=-1"], "ttft_ms must be > 0"),
+    (["bench", "serve", "--model", "m", "--tokenizer", "none", "--input-len", "5:2"],
+     "length '5:2': needs 1 <= A <= B"),
+    (["bench", "serve", "--model", "m", "--tokenizer", "none", "--dataset", "replay"],
+     "--dataset replay needs --dataset-path"),
+    (["bench", "serve", "--model", "m", "--tokenizer", "none", "--dataset", "replay",
+      "--dataset-path", "/nonexistent.jsonl"], "--dataset-path /nonexistent.jsonl:"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    from tests.helpers import cli_error
+    assert message in cli_error(capsys, argv)

@@ -1,7 +1,8 @@
 """Two models in one `hisparse serve` process (the registered SmolLM2 and the same
 GGUF by path), each with its own engine, caches, pools and engine thread, routed
 by the request's `model`: answers under interleaved load equal each model's
-answers alone, so neither overwrote the other's pages."""
+answers alone, so neither overwrote the other's pages. Slots come from
+--kv-cache-memory through the capacity planner."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve2") / "serve.log"
     gguf = str(fetch("smollm2-135m"))
     cmd = [sys.executable, "-m", "hisparse_jax.serving", "--model", "smollm2-135m", "--model",
-           gguf, "--max-seqs", "2", "--max-context", "512", "--port", str(port)]
+           gguf, "--kv-cache-memory", "16MiB", "--max-context", "512", "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -41,6 +42,8 @@ def server(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
+        # the capacity planner's slots: 2 full 512-token contexts in 16 MiB (per model)
+        assert log.read_text().count("(device 15.3 MiB, host 0.0 MiB), 2 sequences of 512") == 2
         yield url
     finally:
         os.kill(proc.pid, signal.SIGTERM)

@@ -181,6 +181,13 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
+def _write_stage(stage, k, v):
+    """K/V [L, n, Hkv, D] into the staging buffer's first n positions."""
+    return tuple(jax.lax.dynamic_update_slice_in_dim(s, x.astype(s.dtype), 0, 1)
+                 for s, x in zip(stage, (k, v)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
 def _stage_to_dense(caches, slot, k, v):
     """Copy staged K/V [L, S, Hkv, D] into a dense cache's `slot` ([L, B, Hkv, S', D])."""
     s = caches[0].shape[3]
@@ -334,11 +341,7 @@ class Engine:
         elif (self._stage_slot, self._staged) != (slot, start):
             raise ValueError(f"prefill_chunk(slot={slot}, start={start}): the staged prompt "
                              f"is slot {self._stage_slot}'s first {self._staged} tokens")
-        if self._stage is None:
-            mc = self.model.cfg
-            shape = (mc.num_layers, -(-self.max_context // PREFILL_CHUNK) * PREFILL_CHUNK,
-                     mc.num_kv_heads, mc.head_dim)
-            self._stage = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+        self._make_stage()
         block = np.zeros(PREFILL_CHUNK, np.int32)
         real = ids[start:start + PREFILL_CHUNK]
         block[:len(real)] = real
@@ -361,6 +364,42 @@ class Engine:
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
         return int(tok)
+
+    def _make_stage(self):
+        """The chunked prefill's K/V buffer, one sequence long, made on first use."""
+        if self._stage is None:
+            mc = self.model.cfg
+            shape = (mc.num_layers, -(-self.max_context // PREFILL_CHUNK) * PREFILL_CHUNK,
+                     mc.num_kv_heads, mc.head_dim)
+            self._stage = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+
+    def staged_kv(self, n: int) -> tuple[jax.Array, jax.Array]:
+        """Copies of the staged K/V [L, n, Hkv, D] bf16 of the last chunked prefill's
+        first n tokens (valid until the next chunked prefill starts): what
+        `stage_kv` takes to skip those tokens' prefill next time (prefix reuse)."""
+        n = check_int("n", n, minimum=1)
+        if self._stage is None or n > self._staged:
+            raise ValueError(f"staged_kv({n}): {self._staged if self._stage else 0} tokens "
+                             "are staged")
+        return tuple(x[:, :n] for x in self._stage)
+
+    def stage_kv(self, slot: int, k, v):
+        """Begin a chunked prefill of `slot` with its prompt's first n tokens already
+        computed: k, v [L, n, Hkv, D] from `staged_kv` of a prompt with the same
+        first n tokens (n a multiple of PREFILL_CHUNK). Continue with
+        prefill_chunk(slot, ids, start=n): the result is bit-equal to prefilling
+        the whole prompt (the same blocks, the same K/V)."""
+        slot = self._check_slot(slot)
+        n = k.shape[1]
+        if n % PREFILL_CHUNK or n < PREFILL_CHUNK or v.shape != k.shape:
+            raise ValueError(f"stage_kv: k, v [L, n, Hkv, D] with n a multiple of "
+                             f"{PREFILL_CHUNK}, got {tuple(k.shape)}, {tuple(v.shape)}")
+        if n >= self.max_context:
+            raise ValueError(f"stage_kv: {n} tokens do not fit max_context={self.max_context}")
+        self.release(slot)
+        self._make_stage()
+        self._stage = _write_stage(self._stage, k, v)
+        self._stage_slot, self._staged = slot, n
 
     def kv(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """A dense engine's K/V of `slot`'s tokens: two [L, n, Hkv, D] bf16 arrays

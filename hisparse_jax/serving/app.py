@@ -54,6 +54,7 @@ class ServeConfig:
     prefill_budget: int = PREFILL_CHUNK  # prompt tokens per engine step
     shutdown_timeout: float = 30.0       # SIGTERM: seconds to finish running requests
     record_traffic: str | None = None    # append each accepted request to this .jsonl
+    kv_cache_memory: int | None = None   # bytes: slots from the capacity planner
 
     def __post_init__(self):
         if not (isinstance(self.models, tuple) and self.models
@@ -70,6 +71,8 @@ class ServeConfig:
         check_number("shutdown_timeout", self.shutdown_timeout, 0.0)
         if self.price_per_hour is not None:
             check_number("price_per_hour", self.price_per_hour, 0.0)
+        if self.kv_cache_memory is not None:
+            check_int("kv_cache_memory", self.kv_cache_memory, minimum=1)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
 
@@ -120,6 +123,7 @@ class _Common(_Schema):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False          # vLLM's extension (benchmarks: fixed output lengths)
+    context_id: str | None = None     # ours: a prewarmed document goes before the prompt
     user: str | None = None
 
 
@@ -128,6 +132,12 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+
+class PrewarmRequest(_Schema):
+    model: str | None = None
+    context_id: str
+    prompt: str | list[int]
 
 
 class ContentPart(_Schema):
@@ -333,6 +343,55 @@ def build_app(st: State) -> FastAPI:
                    "temperature": req.sampling.temperature})
         return await respond(request, ms, r, req, "text_completion")
 
+    @app.post("/v1/prewarm")
+    async def prewarm(request: HTTPRequest):
+        """Prefill a document once and pin its K/V: later prompts that start with it,
+        or that name its context_id, skip its prefill (whole 512-token blocks)."""
+        r, ms = await parse(request, PrewarmRequest)
+        if not r.context_id:
+            raise APIError(400, "context_id must not be empty", param="context_id")
+        if isinstance(r.prompt, str):
+            if ms.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids",
+                               param="prompt")
+            ids = ms.tokenizer.encode(r.prompt)
+        else:
+            ids = list(r.prompt)
+        if not PREFILL_CHUNK < len(ids) < ms.engine.max_context:
+            raise APIError(400, f"a prewarmed context needs {PREFILL_CHUNK + 1} to "
+                           f"{ms.engine.max_context - 1} tokens, got {len(ids)}",
+                           param="prompt")
+        vocab = ms.engine.model.cfg.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        req = Request(ids=ids, max_tokens=1, sampling=SamplingParams(), prewarm=r.context_id,
+                      sink=lambda ev: isinstance(ev, Finish) and loop.call_soon_threadsafe(
+                          done.set_result, ev))
+        try:
+            ms.scheduler.submit(req)
+        except QueueFull as e:
+            raise APIError(503, f"overloaded: {e}", type="server_error", code="overloaded",
+                           headers={"Retry-After": "1"}) from None
+        ev = await done
+        if ev.reason != "stop":
+            raise APIError(400 if ev.reason == "error" else 503,
+                           ev.message or f"prewarm {ev.reason}", param="context_id")
+        return JSONResponse({"object": "prewarm", "context_id": r.context_id,
+                             "model": ms.name, "prompt_tokens": len(ids),
+                             "cached_tokens": ms.scheduler.prefixes[r.context_id].n},
+                            headers={"x-hisparse-lineage": ms.header})
+
+    @app.delete("/v1/prewarm/{context_id}")
+    async def unpin(context_id: str, request: HTTPRequest, model: str | None = None):
+        auth(request)
+        ms = st.models.get(model or next(iter(st.models)))
+        if ms is None or not ms.scheduler.unpin(context_id):
+            raise APIError(404, f"no prewarmed context `{context_id}`", param="context_id",
+                           code="context_not_found")
+        return {"object": "prewarm", "context_id": context_id, "deleted": True}
+
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         r, ms = await parse(request, ChatRequest)
@@ -364,6 +423,12 @@ def build_app(st: State) -> FastAPI:
             raise APIError(400, f"n={r.n}: only n=1 is supported", param="n")
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if r.context_id is not None:
+            pinned = ms.scheduler.prefixes.get(r.context_id)
+            if pinned is None:
+                raise APIError(404, f"no prewarmed context `{r.context_id}`",
+                               param="context_id", code="context_not_found")
+            ids = list(pinned.ids) + ids
         limit = ms.engine.max_context
         if max_tokens is None:
             max_tokens = limit - len(ids)

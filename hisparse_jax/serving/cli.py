@@ -41,10 +41,10 @@ def build_state(cfg):
             raise ValueError(f"--model {source}: served twice as {name!r}")
         model, tok = load(source)
         context = cfg.max_context or model.cfg.max_position
-        engine = Engine(model, max_seqs=cfg.max_seqs, max_context=context,
+        seqs, line = plan_slots(model.cfg, context, cfg)
+        engine = Engine(model, max_seqs=seqs, max_context=context,
                         attention=cfg.attention, budget_tokens=cfg.budget_tokens)
-        log.info("%s: %s, %d sequences of %d tokens", name, engine.capacity_line(),
-                 cfg.max_seqs, context)
+        log.info("%s: %s", name, line)
         log.info("%s: compiling (%s attention) ...", name, cfg.attention)
         log.info("%s: compiled in %.1f s", name, engine.warmup())
         bound = metrics.bind(name)
@@ -55,6 +55,35 @@ def build_state(cfg):
                               lineage=lineage(engine, src.path))
         log.info("%s: lineage %s", name, models[name].lineage)
     return State(cfg=cfg, models=models, metrics=metrics)
+
+
+def plan_slots(mc, context: int, cfg) -> tuple[int, str]:
+    """(sequence slots, the capacity line) from the capacity planner: --max-seqs,
+    or as many full contexts as --kv-cache-memory holds."""
+    from hisparse_jax import capacity
+    from hisparse_jax.config import HiSparseConfig
+    shape = capacity.ModelShape("served", mc.num_layers, mc.num_kv_heads, mc.num_heads,
+                                mc.head_dim)
+    if cfg.attention == "hisparse":
+        preset = HiSparseConfig(num_kv_heads=mc.num_kv_heads, gqa_group=mc.group,
+                                head_dim=mc.head_dim, budget_tokens=cfg.budget_tokens)
+        p = capacity.plan(shape, context, cfg.kv_cache_memory, preset=preset)
+        per_seq, host = p["device_bytes"], p["host_bytes"]
+        seqs = p.get("max_sequences", cfg.max_seqs)
+    else:
+        per_seq, host = 2 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context, 0
+        seqs = cfg.kv_cache_memory // per_seq if cfg.kv_cache_memory else cfg.max_seqs
+    if seqs < 1:
+        raise ValueError(f"--kv-cache-memory {cfg.kv_cache_memory}: not one sequence of "
+                         f"{context} tokens fits (one needs {capacity.fmt_bytes(per_seq)})")
+    dev = capacity.fmt_bytes(per_seq * seqs)
+    if cfg.attention == "hisparse":
+        line = (f"HiSparse KV cache: {p['capacity_vs_bf16']:.1f}x capacity vs bf16 (device "
+                f"{dev}, host {capacity.fmt_bytes(host * seqs)}), {seqs} sequences of "
+                f"{context} tokens")
+    else:
+        line = f"dense bf16 KV cache: device {dev}, {seqs} sequences of {context} tokens"
+    return seqs, line
 
 
 def serve(cfg):
@@ -91,7 +120,8 @@ def main_serve(args):
                       attention=args.attention, budget_tokens=args.budget_tokens,
                       api_key=args.api_key, host=args.host, port=args.port,
                       price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
-                      prefill_budget=args.prefill_budget, record_traffic=args.record_traffic)
+                      prefill_budget=args.prefill_budget, record_traffic=args.record_traffic,
+                      kv_cache_memory=args.kv_cache_memory)
     serve(cfg)
 
 
@@ -109,6 +139,9 @@ def add_serving_parsers(subparsers):
                    help="sequence slots (requests decoded together)")
     s.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
                    help="tokens per sequence, prompt + completion (default: the model's)")
+    s.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
+                   help="KV cache budget (e.g. 2GiB): the slots are as many full contexts "
+                        "as it holds, by the capacity planner (instead of --max-seqs)")
     s.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
     s.add_argument("--budget-tokens", type=budget_tokens, default=2048, metavar="N",
                    help="cold tokens attended per KV head (multiple of 16), or 'all'")
@@ -140,3 +173,13 @@ def add_bench_serve_parser(bench_subparsers):
     add_arguments(b)
     b.set_defaults(func=main_bench_serve)
     return b
+
+
+def _size(text: str) -> int:
+    import argparse
+
+    from hisparse_jax.capacity import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -46,6 +46,10 @@ class Metrics:
                                      registry=r),
             "generation_tokens": Counter("hisparse:generation_tokens", "Generated tokens", M,
                                          registry=r),
+            "prefix_queries": Counter("hisparse:prefix_cache_queries", "Prompt tokens looked "
+                                      "up among the prewarmed contexts", M, registry=r),
+            "prefix_hits": Counter("hisparse:prefix_cache_hits", "Prompt tokens whose "
+                                   "prefill a prewarmed context skipped", M, registry=r),
             "success": Counter("hisparse:request_success", "Finished requests by reason",
                                [*M, "finished_reason"], registry=r),
             "ttft": Histogram("hisparse:time_to_first_token_seconds", "Arrival to first "

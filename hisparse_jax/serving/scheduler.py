@@ -67,12 +67,25 @@ class Request:
     stops: tuple[str, ...] = ()
     eos: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+    prewarm: str | None = None   # a context id: prefill, pin the prompt's K/V, no tokens
     id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
 
 
 _ids = itertools.count()
+MAX_PREFIXES = 8  # pinned contexts (each holds its bf16 K/V on the device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prewarmed context: its prompt ids and the bf16 K/V of their first n tokens
+    (n a multiple of the prefill block), which later prompts starting with those
+    ids reuse instead of prefilling them."""
+    ids: tuple[int, ...]
+    n: int
+    k: object
+    v: object
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,6 +112,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.admitting = True
         self.stopped = False
+        self.prefixes: dict[str, Prefix] = {}  # context id -> pinned K/V
         self.busy_s = 0.0  # time spent in steps that had work (for the cost figure)
         self.generated = 0
         self._thread: threading.Thread | None = None
@@ -123,6 +137,10 @@ class Scheduler:
         with self.cond:
             req.cancelled = True
             self.cond.notify()
+
+    def unpin(self, context_id: str) -> bool:
+        with self.cond:
+            return self.prefixes.pop(context_id, None) is not None
 
     def running(self) -> int:
         return sum(s is not None for s in self.slots)
@@ -192,6 +210,8 @@ class Scheduler:
             if spent and spent + cost > self.prefill_budget:
                 break
             spent += cost
+            if seq.start == 0:
+                self._reuse_prefix(slot, seq)
             tok = eng.prefill_chunk(slot, seq.req.ids, seq.start, seq.req.sampling)
             seq.start += PREFILL_CHUNK
             if tok is not None:
@@ -199,7 +219,10 @@ class Scheduler:
                 seq.decoding = True
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(n)
-                self._emit(slot, tok, eng.logits)
+                if seq.req.prewarm is not None:
+                    self._pin(slot, seq)
+                else:
+                    self._emit(slot, tok, eng.logits)
         live = np.array([s is not None and s.decoding for s in self.slots])
         if live.any():
             nxt = eng.decode_step(live)
@@ -212,6 +235,32 @@ class Scheduler:
         if self.metrics is not None:
             used, total = eng.pool_usage()
             self.metrics.pool_usage.set(used / total if total else 0.0)
+
+    def _reuse_prefix(self, slot: int, seq: _Seq):
+        """Start the prefill after the longest pinned prefix of the prompt."""
+        ids = seq.req.ids
+        best = max((p for p in self.prefixes.values()
+                    if p.n < len(ids) and tuple(ids[:p.n]) == p.ids[:p.n]),
+                   key=lambda p: p.n, default=None)
+        if self.metrics is not None:
+            self.metrics.prefix_queries.inc(len(ids))
+            self.metrics.prefix_hits.inc(best.n if best else 0)
+        if best is not None:
+            self.engine.stage_kv(slot, best.k, best.v)
+            seq.start = best.n
+
+    def _pin(self, slot: int, seq: _Seq):
+        """A prewarm request's prefill is done: keep its K/V, free the slot."""
+        ids = seq.req.ids
+        n = (len(ids) - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # a later prompt adds >= 1
+        with self.cond:
+            if n and (seq.req.prewarm in self.prefixes or len(self.prefixes) < MAX_PREFIXES):
+                self.prefixes[seq.req.prewarm] = Prefix(tuple(ids), n, *self.engine.staged_kv(n))
+                reason = "stop"
+            else:
+                reason = "error"
+        self._finish(slot, reason, "" if reason == "stop" else
+                     f"{MAX_PREFIXES} contexts are pinned already: DELETE one first")
 
     def _emit(self, slot: int, token: int, logits):
         seq = self.slots[slot]
