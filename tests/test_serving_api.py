@@ -237,6 +237,11 @@ def test_prewarm_skips_the_documents_prefill(server, tok):
     after = _metrics(server)
     assert after["hisparse:prefix_cache_hits_total"] - \
         before["hisparse:prefix_cache_hits_total"] == 2 * 512
+    # ~600-token sequences have cold pages: decode steps read some (30 layers, 3 KV heads)
+    read = after["hisparse:cold_pages_read_total"] - before["hisparse:cold_pages_read_total"]
+    assert read > 0 and read % 90 == 0
+    assert after["hisparse:poisoned_sequences"] == 0
+    assert after['hisparse:kv_tier_tokens{tier="cold"}'] == 0  # all released again
     r = httpx.delete(server["url"] + "/v1/prewarm/doc1", headers={"Authorization":
                                                                    f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["deleted"]

@@ -486,6 +486,22 @@ class Engine:
         total = self.cache_cfg.pool_pages * self.model.cfg.num_layers
         return total - int(jnp.sum(self.caches.num_free)), total
 
+    def tier_tokens(self) -> dict[str, int]:
+        """Tokens per tier (sink, hot, warm, cold) over the slots, from the lengths
+        (the arithmetic of `HiSparseCache.counters`); {} for a dense engine."""
+        c = self.cache_cfg
+        if c is None:
+            return {}
+        lens, pg = self.lens.astype(np.int64), c.page_size
+        held = lens > 0
+        cold = st.num_cold_pages(c, lens) * held * pg
+        sink = np.minimum(lens, c.sink_pages * pg)
+        hot_start = np.maximum(c.sink_pages, (lens - 1) // pg - c.hot_pages + 1)
+        hot = np.maximum(0, lens - hot_start * pg) * held
+        warm = lens - sink - hot - cold
+        return {"sink": int(sink.sum()), "hot": int(hot.sum()), "warm": int(warm.sum()),
+                "cold": int(cold.sum())}
+
     def room(self, slot: int) -> int:
         """Tokens slot `slot` can still take."""
         return self.max_context - int(self.lens[slot])

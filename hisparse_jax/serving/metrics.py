@@ -50,6 +50,15 @@ class Metrics:
                                       "up among the prewarmed contexts", M, registry=r),
             "prefix_hits": Counter("hisparse:prefix_cache_hits", "Prompt tokens whose "
                                    "prefill a prewarmed context skipped", M, registry=r),
+            "cold_pages_read": Counter("hisparse:cold_pages_read", "Cold int4 pages attended "
+                                       "by decode steps (per layer and KV head; computed "
+                                       "from the selection budget and each sequence's cold "
+                                       "pages)", M, registry=r),
+            "tier_tokens": Gauge("hisparse:kv_tier_tokens", "Tokens held per tier over the "
+                                 "running sequences (HiSparse)", [*M, "tier"], registry=r),
+            "poisoned": Gauge("hisparse:poisoned_sequences", "Sequences whose K/V took a "
+                              "non-finite value (their outputs are NaN until released)", M,
+                              registry=r),
             "success": Counter("hisparse:request_success", "Finished requests by reason",
                                [*M, "finished_reason"], registry=r),
             "ttft": Histogram("hisparse:time_to_first_token_seconds", "Arrival to first "
@@ -72,11 +81,13 @@ class Metrics:
         """One model's series: attributes named as `families`' keys; `success` keeps
         its finished_reason label (`.labels(finished_reason=...)`)."""
         out = {k: f.labels(model_name=model_name) for k, f in self.families.items()
-               if k != "success"}
-        success = self.families["success"]
+               if k not in ("success", "tier_tokens")}
+        success, tiers = self.families["success"], self.families["tier_tokens"]
         out["success"] = types.SimpleNamespace(
             labels=lambda finished_reason: success.labels(model_name=model_name,
                                                           finished_reason=finished_reason))
+        out["tier_tokens"] = types.SimpleNamespace(
+            labels=lambda tier: tiers.labels(model_name=model_name, tier=tier))
         return types.SimpleNamespace(**out)
 
     def update_cost(self, model: types.SimpleNamespace, generated: int, busy_s: float):

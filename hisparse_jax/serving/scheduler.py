@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hisparse_jax import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
 from hisparse_jax.models.generate import TextStream
 from hisparse_jax.models.sampling import SamplingParams
@@ -232,9 +233,26 @@ class Scheduler:
                 self._emit(int(slot), int(nxt[slot]), None if logits is None else logits[slot])
         with self.cond:
             self._gauges()
-        if self.metrics is not None:
-            used, total = eng.pool_usage()
-            self.metrics.pool_usage.set(used / total if total else 0.0)
+        self._cache_metrics(live)
+
+    def _cache_metrics(self, decoded: np.ndarray):
+        """The cache's own figures after a step: pool pages in use (read from the
+        live pool), tokens per tier, poisoned sequences, and the cold pages the
+        step's decode read (each decoded sequence: min(its cold pages, the
+        selection budget) per layer and KV head)."""
+        m, eng = self.metrics, self.engine
+        if m is None or eng.cache_cfg is None:
+            return
+        cfg, lens = eng.cache_cfg, eng.lens
+        used, total = eng.pool_usage()
+        m.pool_usage.set(used / total)
+        for tier, n in eng.tier_tokens().items():
+            m.tier_tokens.labels(tier=tier).set(n)
+        cold = st.num_cold_pages(cfg, lens) * (lens > 0)
+        layers_heads = eng.model.cfg.num_layers * cfg.num_kv_heads
+        read = np.minimum(cold, cfg.budget_pages)[decoded].sum() * layers_heads
+        m.cold_pages_read.inc(int(read))
+        m.poisoned.set(int(np.asarray(eng.caches.poisoned).any(axis=0).sum()))
 
     def _reuse_prefix(self, slot: int, seq: _Seq):
         """Start the prefill after the longest pinned prefix of the prompt."""
