@@ -146,6 +146,11 @@ def test_chat_streaming_equals_non_streaming(client, tok):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
         r.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    lp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens and all(len(c.top_logprobs) == 2
+                                                               for c in content)
     # a streamed completion: the same text as the chat template's prompt gives
     prompt = tok.render_chat(msgs)
     pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,

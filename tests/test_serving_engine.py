@@ -145,3 +145,32 @@ def test_nan_in_one_sequence_never_reaches_another(model, long_ids):
 def test_cli_errors_are_one_line(capsys, argv, message):
     from tests.helpers import cli_error
     assert message in cli_error(capsys, argv)
+
+
+def test_bench_datasets(model):
+    """bench serve's prompts: lengths as asked (random ids decoded; re-encoding
+    moves them a little), the lognormal-bimodal output mix, the shared prefix."""
+    import argparse
+
+    from hisparse_jax.serving.bench import add_arguments, build_jobs
+    tok = model[1]
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+
+    def jobs(*argv, tokenizer=tok):
+        a = p.parse_args(["--num-prompts", "200", "--warmup", "0", *argv])
+        a.num_prompts_given = True
+        return build_jobs(a, tokenizer)
+
+    rnd = jobs("--input-len", "40:60", "--output-len", "8")
+    assert len(rnd) == 200 and {j.max_tokens for j in rnd} == {8}
+    lens = [len(tok.encode(j.prompt)) for j in rnd]
+    assert 30 <= np.median(lens) <= 80
+    mix = jobs("--dataset", "lognormal-bimodal", "--input-len", "100", "--output-len", "16",
+               "--long-output-len", "512", "--long-fraction", "0.2", "--max-input-len", "400")
+    outs = np.array([j.max_tokens for j in mix])
+    assert set(outs) == {16, 512} and 0.1 < np.mean(outs == 512) < 0.3
+    ids = jobs("--dataset", "prefix", "--prefix-len", "300", "--input-len", "10",
+               tokenizer=None)  # --tokenizer none: token ids
+    assert all(j.prompt[:300] == ids[0].prompt[:300] for j in ids)
+    assert {len(j.prompt) for j in ids} == {310}
