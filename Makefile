@@ -37,7 +37,10 @@ TEST_WORKERS ?= 2
 TEST_MAIN = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope
 # One process: the engine and server tests start vLLM engines of their own. The
 # SmolLM2 checkpoint they serve is exported once by .venv's `hisparse export`.
-TEST_BRIDGE = $(VENV_VLLM)/bin/python -m pytest tests/bridge
+# The bridge env is also the library's low end (Python 3.11, jax 0.10.2): the cache,
+# its codecs and config run there too, on the XLA path.
+TEST_BRIDGE = $(VENV_VLLM)/bin/python -m pytest tests/bridge tests/test_config.py \
+	tests/test_codecs.py tests/test_cache.py -k "not pallas"
 
 test-main: $(VENV)/.installed
 	$(TEST_MAIN)
