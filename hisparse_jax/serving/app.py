@@ -325,17 +325,7 @@ def build_app(st: State) -> FastAPI:
             prompt = prompt[0]
         if r.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        if isinstance(prompt, str):
-            if ms.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids",
-                               param="prompt")
-            ids = ms.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = ms.engine.model.cfg.vocab_size
-            if any(not 0 <= i < vocab for i in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})",
-                               param="prompt")
+        ids = prompt_ids(ms, prompt)
         if r.logprobs is not None and not 0 <= r.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
         req = make_request(ms, r, ids, r.max_tokens, r.logprobs)
@@ -350,25 +340,20 @@ def build_app(st: State) -> FastAPI:
         r, ms = await parse(request, PrewarmRequest)
         if not r.context_id:
             raise APIError(400, "context_id must not be empty", param="context_id")
-        if isinstance(r.prompt, str):
-            if ms.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids",
-                               param="prompt")
-            ids = ms.tokenizer.encode(r.prompt)
-        else:
-            ids = list(r.prompt)
+        ids = prompt_ids(ms, r.prompt)
         if not PREFILL_CHUNK < len(ids) < ms.engine.max_context:
             raise APIError(400, f"a prewarmed context needs {PREFILL_CHUNK + 1} to "
                            f"{ms.engine.max_context - 1} tokens, got {len(ids)}",
                            param="prompt")
-        vocab = ms.engine.model.cfg.vocab_size
-        if any(not 0 <= i < vocab for i in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
+
+        def sink(ev):  # a prewarm request sends no tokens, only its Finish
+            if isinstance(ev, Finish):
+                loop.call_soon_threadsafe(done.set_result, ev)
+
         req = Request(ids=ids, max_tokens=1, sampling=SamplingParams(), prewarm=r.context_id,
-                      sink=lambda ev: isinstance(ev, Finish) and loop.call_soon_threadsafe(
-                          done.set_result, ev))
+                      sink=sink)
         try:
             ms.scheduler.submit(req)
         except QueueFull as e:
@@ -416,6 +401,18 @@ def build_app(st: State) -> FastAPI:
         st.record({"model": ms.name, "messages": messages, "max_tokens": req.max_tokens,
                    "temperature": req.sampling.temperature})
         return await respond(request, ms, r, req, "chat.completion")
+
+    def prompt_ids(ms: Served, prompt: str | list[int]) -> list[int]:
+        """Text through the model's tokenizer, or token ids checked against its vocabulary."""
+        if isinstance(prompt, str):
+            if ms.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids",
+                               param="prompt")
+            return ms.tokenizer.encode(prompt)
+        vocab = ms.engine.model.cfg.vocab_size
+        if any(not 0 <= i < vocab for i in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
 
     def make_request(ms: Served, r: _Common, ids: list[int], max_tokens: int | None,
                      logprobs):

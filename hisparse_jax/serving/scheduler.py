@@ -12,6 +12,10 @@ threads only `submit` and `cancel` requests and read the events each request's
 So a long prompt costs the running streams one block per step, never its whole
 prefill. A running sequence is never evicted: a request waits until a slot is
 free, and the queue's bound turns away the rest (`QueueFull`, a 503).
+
+A prewarm request (`Request.prewarm`) is prefilled like any other; then its
+prompt's whole-block K/V are pinned (`Prefix`) and its slot freed. A later prompt
+that starts with a pinned prompt's ids resumes its prefill after them.
 """
 
 from __future__ import annotations
