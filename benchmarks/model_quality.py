@@ -169,6 +169,8 @@ def run_nexttoken(model, tok, args, out):
     # forward (the same attention over the same bf16 K/V).
     cfgs = {k: v for k, v in configs(args.tokens, args.fractions).items() if k != "dense"}
     cfgs["all"] = {"attention": "hisparse", "budget_tokens": FULL_BUDGET}
+    if args.configs:
+        cfgs = {k: cfgs[k] for k in args.configs}
     if args.check_dense:
         cfgs = {"dense": {"attention": "dense"}, **cfgs}
     seed_kv = Engine(model, max_seqs=len(docs), max_context=args.tokens + 1, attention="dense")
@@ -224,6 +226,8 @@ def main(argv=None):
                    help="cold budgets: 1/F of the context")
     p.add_argument("--tokens", type=int, default=6144, help="nexttoken: tokens per document")
     p.add_argument("--score-from", type=int, default=2048)
+    p.add_argument("--configs", nargs="+", default=None, metavar="NAME",
+                   help="nexttoken: only these configurations (e.g. 1/16 all)")
     p.add_argument("--check-dense", action="store_true",
                    help="nexttoken: also a dense engine's decode (128 steps) against the "
                         "exact forward")
