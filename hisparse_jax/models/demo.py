@@ -48,10 +48,14 @@ class _Ticker:
         self.bar.close()
 
 
-def _cache_bytes(engine: Engine, tokens: int) -> int:
-    """Device bytes this sequence's K/V take in all layers."""
+def _cache_bytes(engine: Engine, tokens: int, window: bool = False) -> int:
+    """Device bytes this sequence's K/V take in all layers (a sink + window cache
+    keeps its sink and window tokens only, in bf16)."""
     mc = engine.model.cfg
-    if engine.cache_cfg is None:
+    if engine.cache_cfg is None or window:
+        if window:
+            c = engine.cache_cfg
+            tokens = min(tokens, c.page_size * (c.sink_pages + c.hot_pages + c.warm_pages))
         return 2 * mc.num_layers * mc.num_kv_heads * tokens * mc.head_dim * 2
     return mc.num_layers * layout.sequence_bytes(engine.cache_cfg, tokens).device
 
@@ -85,7 +89,7 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     dense = Engine(model, max_context=context, attention="dense")
     sparse = Engine(model, max_context=context, attention="hisparse", budget_tokens=budget)
     window = Engine(model, max_context=context, attention="hisparse", **SINK_WINDOW)
-    for e in (dense, sparse):
+    for e in (dense, sparse, window):
         e.warmup(n)
     rows = {}
     log("[3/5] prefill (exact attention; HiSparse also encodes its tiers) ...")
@@ -101,7 +105,7 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     window.prefill_kv(0, *dense.kv(0), first)
     rows["sink+window"] = {"prefill_tok_s": None, **_answer(window, tok, first, key)}
     for name, e in (("dense", dense), ("hisparse", sparse), ("sink+window", window)):
-        rows[name]["cache_bytes"] = _cache_bytes(e, n)
+        rows[name]["cache_bytes"] = _cache_bytes(e, n, window=e is window)
     log(f"[5/5] done in {time.time() - t0:.0f} s")
 
     print(f"\n{model_name}, a {n}-token prompt; the pass key is {key} "
@@ -115,6 +119,6 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     ratio = rows["dense"]["cache_bytes"] / rows["hisparse"]["cache_bytes"]
     print(f"\nHiSparse holds this sequence in {ratio:.1f}x fewer bytes than dense bf16; "
           f"{sparse.capacity_line()}.")
-    print("sink+window keeps the first 16 and the newest 512 tokens only (prefilled from "
-          "the dense K/V).")
+    print("sink+window keeps the first 16 and the newest 512 tokens only (its bytes: those "
+          "tokens in bf16; prefilled from the dense K/V).")
     return {"tokens": n, "key": key, "depth": depth, "budget_tokens": budget, "rows": rows}
