@@ -104,7 +104,14 @@ def run_passkey(model, tok, args, out):
 # ---------------------------------------------------------------- next-token agreement
 
 def _stdlib(name: str) -> str:
-    return os.path.join(sysconfig.get_paths()["stdlib"], name)
+    """`<stdlib>/name`: recorded as such, found through sysconfig (no machine paths)."""
+    return f"<stdlib>/{name}"
+
+
+def _open_doc(path: str):
+    if path.startswith("<stdlib>/"):
+        path = os.path.join(sysconfig.get_paths()["stdlib"], path.removeprefix("<stdlib>/"))
+    return open(path, encoding="utf-8")
 
 
 # (name, path, licence): real English prose and code every machine of this kind has.
@@ -153,7 +160,7 @@ def exact_logprobs(model, ids: np.ndarray, start: int) -> np.ndarray:
 def run_nexttoken(model, tok, args, out):
     docs = []
     for name, path, licence in DOCS:
-        with open(path, encoding="utf-8") as f:
+        with _open_doc(path) as f:
             ids = np.asarray(tok.encode(f.read()))[:args.tokens]
         if len(ids) < args.tokens:
             raise SystemExit(f"{path}: only {len(ids)} tokens")

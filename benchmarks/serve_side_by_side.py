@@ -3,7 +3,7 @@ llama.cpp's server (llama-cpp-python's `llama_cpp.server` on the same GGUF), the
 same workload through `hisparse bench serve`, one JSON row per (server,
 concurrency) appended to --out.
 
-    .venv/bin/python benchmarks/serve_side_by_side.py --llama-python /tmp/llamacpp-venv/bin/python
+    .venv/bin/python benchmarks/serve_side_by_side.py --llama-python LLAMACPP_VENV/bin/python
 
 Each server is started on a free loopback port, waited for, measured and stopped
 by PID. llama.cpp runs with 2 threads and OMP_WAIT_POLICY=passive (its spinning

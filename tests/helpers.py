@@ -1,5 +1,8 @@
 """Shared test helpers: an independent dequantized-cache reference."""
 
+import contextlib
+import os
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -132,3 +135,49 @@ def check_page_accounting(cache):
     for row in table:
         live = row[row >= 0]
         assert len(set(live.tolist())) == len(live)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (servers in tests bind loopback only)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args, log, start_s: float):
+    """`python -m hisparse_jax.serving ARGS --port P` on a free loopback port, output in
+    `log`; yields (url, proc) once /health answers. Stopped by its PID at the end,
+    whatever happened (SIGKILL if it still runs: a test that stops it gracefully
+    does so itself and checks the exit code)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import pytest
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.serving", *args,
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not up after {start_s} s:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

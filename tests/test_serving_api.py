@@ -10,9 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,46 +17,22 @@ import openai
 import pytest
 from models_fixtures import smollm2
 
+from tests.helpers import running_server
+
 KEY = "sk-serving-test"
 MODEL = "smollm2-135m"
 CONTEXT = 1024
 START_S = 600  # model load and the first compiles, on a loaded 2-core machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "hisparse_jax.serving", "--max-seqs", "4", "--max-context",
-           str(CONTEXT), "--max-waiting", "12", "--api-key", KEY, "--port", str(port),
-           "--price-per-hour", "2.0", "--record-traffic", str(log.with_name("traffic.jsonl"))]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not up after {START_S} s:\n{log.read_text()}")
-            time.sleep(0.5)
+    args = ["--max-seqs", "4", "--max-context", str(CONTEXT), "--max-waiting", "12",
+            "--api-key", KEY, "--price-per-hour", "2.0",
+            "--record-traffic", str(log.with_name("traffic.jsonl"))]
+    with running_server(args, log, START_S) as (url, proc):
         yield {"url": url, "proc": proc, "log": log}
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -9,43 +9,24 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-from test_serving_api import _free_port
 
 from hisparse_jax.models.registry import fetch
+from tests.helpers import running_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve2") / "serve.log"
     gguf = str(fetch("smollm2-135m"))
-    cmd = [sys.executable, "-m", "hisparse_jax.serving", "--model", "smollm2-135m", "--model",
-           gguf, "--kv-cache-memory", "16MiB", "--max-context", "512", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+    args = ["--model", "smollm2-135m", "--model", gguf, "--kv-cache-memory", "16MiB",
+            "--max-context", "512"]
+    with running_server(args, log, 600) as (url, proc):
         # the capacity planner's slots: 2 full 512-token contexts in 16 MiB (per model)
         assert log.read_text().count("(device 15.3 MiB, host 0.0 MiB), 2 sequences of 512") == 2
         yield url
-    finally:
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
 
