@@ -77,11 +77,12 @@ def capture(model, ids: list[int], n_queries: int):
 
     @jax.jit
     def run(padded):
-        def attend(cache, q, k, v):
+        def attend(caches, layer, q, k, v):
             k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
             out = causal_prefill_attention(q, k, v, chunk=CHUNK)
             qs = jax.lax.dynamic_slice_in_dim(q, t - n_queries, n_queries, axis=0)
-            return out, (qs.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
+            return out, tuple(c.at[layer].set(x.astype(jnp.float16))
+                              for c, x in zip(caches, (qs, k, v)))
 
         caches = (jnp.zeros((cfg.num_layers, n_queries, cfg.num_heads, cfg.head_dim), jnp.float16),
                   jnp.zeros((cfg.num_layers, tp, cfg.num_kv_heads, cfg.head_dim), jnp.float16),

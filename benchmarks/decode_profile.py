@@ -13,12 +13,9 @@ Variants (each one jitted program over all layers, caches donated, as the engine
 The cache is filled with `context` tokens by the engine's own prefill first.
 Prints one JSON line per (batch, variant): median ms per step over `--repeats`.
 
-`--state-loop` times the cache updates alone, in the engine's layer loop (a scan
-over the layer-stacked states, no model): `none`, `token` (the new token's bf16
-write), `append` (`append_token`), `cond_false` (its page-move `lax.cond` with a
-false predicate), `fp8_ring` (a page write into the fp8 warm ring) and
-`pool_scatter` (a dropped page write into one int4 pool array). Alone, on one
-layer's state, `append_token` takes ~0.16 ms.
+`--state-loop` times the append alone in a 30-layer loop (no model), in place
+(`append_layer`, the engine's) and through a per-layer slice written back whole
+(how the engine did it before: the whole cache copied every step).
 """
 
 from __future__ import annotations
@@ -45,69 +42,48 @@ from hisparse_jax.models.registry import load
 def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant):
     model = nnx.merge(graphdef, params)
 
-    def attend(cache, q, k, v):
+    def attend(caches, layer, q, k, v):
         if variant == "weights":
-            return q, cache
+            return q, caches
         if variant == "dense":
-            kc, vc = cache
-            b = q.shape[0]
-            kc = kc.at[jnp.arange(b), :, lens].set(k.astype(kc.dtype), mode="drop")
-            vc = vc.at[jnp.arange(b), :, lens].set(v.astype(vc.dtype), mode="drop")
-            return eng.dense_attention(q, kc, vc, lens + 1), (kc, vc)
-        live = eng._live(hcfg, cache)
+            kc, vc = caches
+            at = (layer, jnp.arange(q.shape[0]), slice(None), lens)
+            kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
+            vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
+            return eng.dense_attention(q, kc[layer], vc[layer], lens + 1), (kc, vc)
         if variant in ("hisparse", "append_only"):
-            live = st.append_token(hcfg, live, k, v, active)
+            caches = st.append_layer(hcfg, caches, layer, k, v, active)[0]
         if variant == "append_only":
-            return q, eng._stored(live)
-        out, _, live = att.decode_step(hcfg, live, q)
-        return out, eng._stored(live)
+            return q, caches
+        out, _, after = att.decode_step(hcfg, st.layer_view(hcfg, caches, layer), q)
+        return out, caches.replace(
+            last_selected=caches.last_selected.at[layer].set(after.last_selected))
 
     x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
     return model.logits(x).argmax(-1), caches
 
 
 def state_loop(context: int, layers: int, repeats: int, num_kv_heads=3, head_dim=64):
+    """`append` in a layer loop, two ways: `in_place` (the engine's:
+    `append_layer` writes at the layer index of the carried stacked state) and
+    `slice` (the layer's state sliced out, appended to, written back whole)."""
     from hisparse_jax.config import HiSparseConfig
     cfg = HiSparseConfig(num_kv_heads=num_kv_heads, gqa_group=3, head_dim=head_dim,
                          max_context=-(-context // 16) * 16, max_seqs=1)
-    caches = eng._init_hisparse(cfg, layers)
+    caches = st.init_stacked(cfg, layers)
     kv = jnp.ones((1, num_kv_heads, head_dim), jnp.float32)
     active = jnp.ones(1, bool)
-    none_moved = jnp.full(1, cfg.pool_pages, jnp.int32)
-
-    def update(live, variant):
-        if variant == "token":
-            slot = live.seq_lens % 16 + 16
-            return live.replace(bf16_k=live.bf16_k.at[jnp.arange(1), :, slot].set(
-                kv.astype(jnp.bfloat16)), seq_lens=live.seq_lens + 1)
-        if variant == "append":
-            return st.append_token(cfg, live, kv, kv, active)
-        if variant == "cond_false":
-            move = functools.partial(st._move_pages, cfg, implementation=None)
-            shapes = jax.eval_shape(move, live, active)
-            skip = lambda s, _: (s, none_moved, jax.tree.map(
-                lambda a: jnp.zeros(a.shape, a.dtype), shapes[2]))
-            return jax.lax.cond(live.seq_lens[0] < 0, move, skip, live, active)[0]
-        if variant == "fp8_ring":
-            row = jax.lax.dynamic_slice_in_dim(live.fp8_k, 0, 16, axis=2)
-            return live.replace(fp8_k=jax.lax.dynamic_update_slice_in_dim(
-                live.fp8_k, row, live.seq_lens[0] % 64, axis=2))
-        if variant == "pool_scatter":
-            page = jnp.zeros((1, *live.int4_k.shape[:1], *live.int4_k.shape[2:]), jnp.uint8)
-            return live.replace(int4_k=live.int4_k.at[:, none_moved].set(
-                jnp.swapaxes(page, 0, 1), mode="drop"))
-        return live
 
     @functools.partial(jax.jit, static_argnames="variant", donate_argnums=0)
     def loop(caches, variant):
         def body(carry, layer):
-            c = jax.tree.map(lambda a: a[layer], carry)
-            c = eng._stored(update(eng._live(cfg, c), variant))
-            return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(
-                a, n, layer, 0), carry, c), None
+            if variant == "in_place":
+                return st.append_layer(cfg, carry, layer, kv, kv, active)[0], None
+            c = st.append_token(cfg, st.layer_view(cfg, carry, layer), kv, kv, active)
+            return st.set_layer(carry, layer, c), None
         return jax.lax.scan(body, caches, jnp.arange(layers))[0]
 
-    for variant in ("none", "token", "append", "cond_false", "fp8_ring", "pool_scatter"):
+    for variant in ("in_place", "slice"):
         ts = []
         for r in range(repeats + 3):
             t = time.perf_counter()
@@ -141,8 +117,7 @@ def main(argv=None):
         for e in engines.values():
             e.prefill(0, ids)
             for s in range(1, batch):  # the same prompt in every slot: one prefill's K/V
-                (e.prefill_kv(s, *engines["dense"].kv(0), int(e.tokens[0]))
-                 if e.cache_cfg is not None else e.prefill(s, ids))
+                e.prefill_kv(s, *engines["dense"].kv(0), int(e.tokens[0]))
         variants = {"weights": "hisparse", "dense": "dense", "hisparse": "hisparse",
                     "append_only": "hisparse", "attend_only": "hisparse"}
         times = {v: [] for v in variants}

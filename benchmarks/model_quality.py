@@ -138,9 +138,9 @@ def exact_logprobs(model, ids: np.ndarray, start: int) -> np.ndarray:
     def hidden(params, ids):
         m = nnx.merge(graphdef, params)
 
-        def attend(cache, q, k, v):
+        def attend(caches, layer, q, k, v):
             k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-            return att.causal_prefill_attention(q, k, v, chunk=512), cache
+            return att.causal_prefill_attention(q, k, v, chunk=512), caches
 
         x, _ = m.layers(m.embed_tokens(ids), jnp.arange(ids.shape[0]), None, attend)
         return x

@@ -147,21 +147,26 @@ def test_sampling_params_through_engine(model, hisparse):
 
 
 def test_prefill_kv_and_teacher_forcing_equal_prefill(model):
-    """One dense prefill seeds a HiSparse cache (`kv` -> `prefill_kv`): the decode
-    logits are bit-equal to the engine's own prefill, and forced inputs are used."""
+    """One dense prefill seeds a HiSparse cache and another dense one (`kv` ->
+    `prefill_kv`): the decode logits are bit-equal to each engine's own prefill,
+    and forced inputs are used."""
     m, _ = model
     ids = np.random.default_rng(3).integers(0, 2000, 333)  # not a page multiple
     dense = Engine(m, max_context=512, attention="dense")
     own = Engine(m, max_context=512, attention="hisparse", budget_tokens=64)
     seeded = Engine(m, max_context=512, attention="hisparse", budget_tokens=64)
+    dense_seeded = Engine(m, max_context=512, attention="dense")
     first = dense.prefill(0, ids)
     assert own.prefill(0, ids) == first
     seeded.prefill_kv(0, *dense.kv(0), first)
+    dense_seeded.prefill_kv(0, *dense.kv(0), first)
     forced = np.random.default_rng(4).integers(0, 2000, 4)
     for i in range(6):
         step = {} if i < 2 else {"tokens": forced[i - 2:i - 1]}
         assert np.array_equal(own.decode_step(**step), seeded.decode_step(**step))
         assert np.array_equal(np.asarray(own.logits), np.asarray(seeded.logits))
+        assert np.array_equal(dense.decode_step(**step), dense_seeded.decode_step(**step))
+        assert np.array_equal(np.asarray(dense.logits), np.asarray(dense_seeded.logits))
     assert own.lens[0] == seeded.lens[0] == 339
     with pytest.raises(ValueError, match="dense engine"):
         own.kv(0)

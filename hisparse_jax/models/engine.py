@@ -2,16 +2,18 @@
 programs that run it: `prefill` (one slot's prompt) and `decode_step` (one token
 for every active slot).
 
-attention="hisparse": one `CacheState` per layer (stacked on a leading layer
-axis). Prefill attention is exact (`causal_prefill_attention`) and fills the
-cache (`state.prefill`); decode appends the new token (`state.append_token`)
-and attends sparsely (`attention.decode_step`).
+attention="hisparse": one `CacheState` per layer, stacked on a leading layer
+axis (`state.init_stacked`). Prefill attention is exact
+(`causal_prefill_attention`) and fills the cache (`state.prefill`); decode
+appends the new token in place (`state.append_layer`) and attends sparsely
+(`attention.decode_step`).
 attention="dense": the same model with exact attention over a plain bf16 KV
 cache of the same tokens (the baseline).
 
 A decode step is one jitted program for all layers and slots (a `lax.scan` over
-the layers, no host sync inside); the caches are donated, so XLA updates them in
-place. The only host sync is reading the sampled tokens back.
+the layers, no host sync inside); the caches are donated and carried through the
+scan, and each layer writes only what changes at its layer index, so XLA updates
+them in place. The only host sync is reading the sampled tokens back.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids
-from pallas_kernels.quant import FP8_DTYPE
 
 ATTENTIONS = ("hisparse", "dense")
 PREFILL_CHUNK = 512  # causal_prefill_attention's query/key block
@@ -61,30 +62,9 @@ def dense_attention(q, k, v, lengths):
     return jnp.einsum("bhgs,bhsd->bhgd", p, v.astype(jnp.float32)).reshape(b, hq, d)
 
 
-# The layer-stacked HiSparse state keeps its fp8 arrays as uint8 (the same bytes):
-# XLA:CPU updates a float8 array in a loop by converting all of it, every layer's
-# slice each layer (a decode step at batch 8 took 3.0 s, as uint8 0.3-0.5 s).
-def _stored(state: st.CacheState) -> st.CacheState:
-    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
-                        if a.dtype == FP8_DTYPE else a, state)
-
-
-def _live(cfg: HiSparseConfig, state: st.CacheState) -> st.CacheState:
-    """`_stored`'s inverse: every array back to `init_state`'s dtype."""
-    ref = jax.eval_shape(lambda: st.init_state(cfg))
-    return jax.tree.map(lambda a, r: a if a.dtype == r.dtype
-                        else jax.lax.bitcast_convert_type(a, r.dtype), state, ref)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_hisparse(cfg: HiSparseConfig, layers: int):
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (layers, *a.shape)).copy(),
-                        _stored(st.init_state(cfg)))
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _release(cfg: HiSparseConfig, caches, slot):
-    return jax.vmap(lambda s: _stored(st.release(cfg, _live(cfg, s), slot)))(caches)
+    return jax.vmap(lambda s: st.stored(st.release(cfg, st.live(cfg, s), slot)))(caches)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
@@ -96,21 +76,20 @@ def _prefill(params, caches, slot, ids, length, samp, *, graphdef, hcfg, impleme
     t = ids.shape[0]
     chunk = min(t, PREFILL_CHUNK)
 
-    def attend(cache, q, k, v):
+    def attend(caches, layer, q, k, v):
         # Exact attention over the K/V as the cache stores them (bf16), so that a
         # decode step gives what a prefill one token longer would (a bf16 rounding
         # of K/V alone moves SmolLM2's logits by up to 0.3).
         k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
         out = att.causal_prefill_attention(q, k, v, chunk=chunk)
-        if hcfg is None:  # dense: [B, Hkv, S, D] pair; write the first min(T, S) tokens
-            kc, vc = cache
-            n = min(t, kc.shape[2])
+        if hcfg is None:  # dense: [L, B, Hkv, S, D] pair; write the first min(T, S) tokens
+            n = min(t, caches[0].shape[3])
             put = lambda c, x: jax.lax.dynamic_update_slice(
-                c, x[:n].transpose(1, 0, 2)[None].astype(c.dtype), (slot, 0, 0, 0))
-            return out, (put(kc, k), put(vc, v))
-        cache = st.release(hcfg, _live(hcfg, cache), slot)
-        return out, _stored(st.prefill(hcfg, cache, slot, k, v, length,
-                                       implementation=implementation))
+                c, x[:n].transpose(1, 0, 2)[None, None].astype(c.dtype), (layer, slot, 0, 0, 0))
+            return out, (put(caches[0], k), put(caches[1], v))
+        cache = st.release(hcfg, st.layer_view(hcfg, caches, layer), slot)
+        cache = st.prefill(hcfg, cache, slot, k, v, length, implementation=implementation)
+        return out, st.set_layer(caches, layer, cache)
 
     x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend)
     logits = model.logits(x[length - 1][None])
@@ -122,8 +101,8 @@ def _prefill(params, caches, slot, ids, length, samp, *, graphdef, hcfg, impleme
 def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length):
     """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16)."""
     def one(cache, k, v):
-        cache = st.release(hcfg, _live(hcfg, cache), slot)
-        return _stored(st.prefill(hcfg, cache, slot, k, v, length))
+        cache = st.release(hcfg, st.live(hcfg, cache), slot)
+        return st.stored(st.prefill(hcfg, cache, slot, k, v, length))
     return jax.vmap(one)(caches, k, v)
 
 
@@ -168,11 +147,10 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef):
     model = nnx.merge(graphdef, params)
     c = ids.shape[0]
 
-    def attend(layer_stage, q, k, v):
-        ks, vs = layer_stage
-        ks = jax.lax.dynamic_update_slice_in_dim(ks, k.astype(jnp.bfloat16), start, 0)
-        vs = jax.lax.dynamic_update_slice_in_dim(vs, v.astype(jnp.bfloat16), start, 0)
-        return _chunk_attention(q, ks, vs, start), (ks, vs)
+    def attend(stage, layer, q, k, v):
+        ks, vs = (jax.lax.dynamic_update_slice(s, x.astype(jnp.bfloat16)[None], (layer, start, 0, 0))
+                  for s, x in zip(stage, (k, v)))
+        return _chunk_attention(q, ks[layer], vs[layer], start), (ks, vs)
 
     x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend)
     logits = model.logits(x[last][None])
@@ -204,17 +182,21 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     model = nnx.merge(graphdef, params)
     b = tokens.shape[0]
 
-    def attend(cache, q, k, v):
+    def attend(caches, layer, q, k, v):
         if hcfg is None:
-            kc, vc = cache
-            at = jnp.where(active, lens, kc.shape[2])  # inactive slots: dropped
-            kc = kc.at[jnp.arange(b), :, at].set(k.astype(kc.dtype), mode="drop")
-            vc = vc.at[jnp.arange(b), :, at].set(v.astype(vc.dtype), mode="drop")
-            return dense_attention(q, kc, vc, lens + active), (kc, vc)
-        cache = st.append_token(hcfg, _live(hcfg, cache), k, v, active,
-                                implementation=implementation)
-        out, _, cache = att.decode_step(hcfg, cache, q, implementation=implementation)
-        return out, _stored(cache)
+            kc, vc = caches
+            at = (layer, jnp.arange(b), slice(None),  # indexed as [B, Hkv, D]
+                  jnp.where(active, lens, kc.shape[3]))  # inactive slots: dropped
+            kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
+            vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
+            return dense_attention(q, kc[layer], vc[layer], lens + active), (kc, vc)
+        caches, _, _ = st.append_layer(hcfg, caches, layer, k, v, active,
+                                       implementation=implementation)
+        out, _, after = att.decode_step(hcfg, st.layer_view(hcfg, caches, layer), q,
+                                        implementation=implementation)
+        # `remember` is all a decode step changes
+        return out, caches.replace(
+            last_selected=caches.last_selected.at[layer].set(after.last_selected))
 
     x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
     logits = model.logits(x)
@@ -253,7 +235,7 @@ class Engine:
                 num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
                 max_context=-(-max_context // 16) * 16, max_seqs=max_seqs,
                 budget_tokens=budget_tokens, **(cache_overrides or {}))
-            self.caches = _init_hisparse(self.cache_cfg, layers)
+            self.caches = st.init_stacked(self.cache_cfg, layers)
         else:
             if cache_overrides:
                 raise ValueError("cache_overrides apply to attention='hisparse' only")
@@ -413,12 +395,10 @@ class Engine:
     def prefill_kv(self, slot: int, k, v, next_token: int,
                    sampling: SamplingParams = GREEDY):
         """Fill `slot` with a prompt whose K/V [L, n, Hkv, D] were computed elsewhere
-        (another engine's exact prefill: `kv`); `next_token` is the token that
+        (an exact prefill's: `kv`, `staged_kv`); `next_token` is the token that
         prefill sampled, the next decode step's input. Equal to `prefill` on the
         same prompt, without running the model."""
         slot = self._check_slot(slot)
-        if self.cache_cfg is None:
-            raise ValueError("prefill_kv fills a HiSparse cache (attention='hisparse')")
         mc = self.model.cfg
         want = (mc.num_layers, None, mc.num_kv_heads, mc.head_dim)
         for name, x in (("k", k), ("v", v)):
@@ -435,8 +415,11 @@ class Engine:
         pad = prefill_length(n) - n
         pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
                                                                    (0, 0)))
-        self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), pad_to(k),
-                                  pad_to(v), jnp.int32(n))
+        if self.cache_cfg is None:
+            self.caches = _stage_to_dense(self.caches, jnp.int32(slot), pad_to(k), pad_to(v))
+        else:
+            self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), pad_to(k),
+                                      pad_to(v), jnp.int32(n))
         self.sampling[slot] = sampling
         self.lens[slot] = n
         self.tokens[slot] = next_token
@@ -514,14 +497,27 @@ class Engine:
         return f"dense bf16 KV cache: device {nbytes / 2**20:.1f} MiB, {layers} layers"
 
     def warmup(self, prompt_len: int = 16) -> float:
-        """Compile prefill (for prompts of `prompt_len`'s padded length) and decode,
-        without running them (XLA keeps the executables for the real calls: a 7K
-        prompt's prefill would cost as much again as compiling it); returns seconds."""
+        """Compile prefill (for prompts of `prompt_len`'s padded length, whole and
+        block by block: `prefill_chunk`, `prefill_kv`) and decode, without running
+        them (XLA keeps the executables for the real calls: a 7K prompt's prefill
+        would cost as much again as compiling it); returns seconds."""
         t = time.perf_counter()
         n = prefill_length(min(prompt_len, self.max_context - 1))
+        samp = tuple(a[0] for a in self._samp([0]))
         _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
-                       jnp.int32(1), tuple(a[0] for a in self._samp([0])),
-                       **self._static()).compile()
+                       jnp.int32(1), samp, **self._static()).compile()
+        if n > PREFILL_CHUNK:
+            self._make_stage()
+            _prefill_chunk.lower(self.params, self._stage, jnp.zeros(PREFILL_CHUNK, jnp.int32),
+                                 jnp.int32(0), jnp.int32(0), samp,
+                                 graphdef=self.graphdef).compile()
+            kv = [x[:, :n] for x in self._stage]
+            if self.cache_cfg is None:
+                _stage_to_dense.lower(self.caches, jnp.int32(0), *self._stage).compile()
+                _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
+            else:
+                _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
+                                  jnp.int32(1)).compile()
         _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
                       jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
                       self._samp(range(self.max_seqs)), **self._static()).compile()

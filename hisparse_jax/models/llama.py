@@ -170,9 +170,12 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array
     return y[:n].reshape(*lead, -1)
 
 
-# attend(layer_cache, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D]) -> (out [..., Hq, D],
-# layer_cache): what a layer's attention does with its cache (engine.py).
-Attend = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+# attend(caches, layer, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D]) -> (out [..., Hq, D],
+# caches): what layer `layer` (a traced int) does with its cache (engine.py). `caches`
+# is every layer's cache, stacked on a leading layer axis and carried through the
+# layer loop, so that a layer updates its part in place (`caches.at[layer, ...]`):
+# a per-layer slice passed in and out of the loop would be copied whole each step.
+Attend = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_WEIGHTS = ("bq", "bk", "bv")
@@ -207,7 +210,7 @@ class Block(nnx.Module):
         for name in layer_shapes(cfg):
             setattr(self, name, nnx.Param(jnp.asarray(weights[name], jnp.bfloat16)))
 
-    def __call__(self, x, positions, rope, cache, attend: Attend):
+    def __call__(self, x, positions, rope, caches, layer, attend: Attend):
         cfg = self.cfg
         inv_freq, scale = rope
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
@@ -222,12 +225,12 @@ class Block(nnx.Module):
         q = apply_rope(proj(self.wq, bias[0], cfg.num_heads), positions, inv_freq, scale)
         k = apply_rope(proj(self.wk, bias[1], cfg.num_kv_heads), positions, inv_freq, scale)
         v = proj(self.wv, bias[2], cfg.num_kv_heads)
-        out, cache = attend(cache, q, k, v)
+        out, caches = attend(caches, layer, q, k, v)
         x = x + matmul(out.reshape(*x.shape[:-1], -1), self.wo[...])
         h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
         gate = jax.nn.silu(matmul(h, self.w_gate[...]))
         x = x + matmul(gate * matmul(h, self.w_up[...]), self.w_down[...])
-        return x, cache
+        return x, caches
 
 
 class Llama(nnx.Module):
@@ -247,17 +250,21 @@ class Llama(nnx.Module):
         return self.embed[...][tokens].astype(jnp.float32)
 
     def layers(self, x, positions, caches, attend: Attend):
-        """All layers: x [..., d] at positions [...]; caches: a pytree whose leaves
-        have a leading layer axis (None = no cache) -> (x, caches)."""
+        """All layers: x [..., d] at positions [...]; caches: any pytree, carried
+        through the layers and updated by `attend` -> (x, caches)."""
         graphdef, weights = nnx.split(self.blocks)
         inv_freq, scale = rope_frequencies(self.cfg)  # constants of the program
         rope = (jnp.asarray(inv_freq), scale)
 
-        def body(x, xs):
-            layer_weights, cache = xs
-            return nnx.merge(graphdef, layer_weights)(x, positions, rope, cache, attend)
+        def body(carry, xs):
+            x, caches = carry
+            layer_weights, layer = xs
+            block = nnx.merge(graphdef, layer_weights)
+            return block(x, positions, rope, caches, layer, attend), None
 
-        return jax.lax.scan(body, x, (weights, caches))
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, caches), _ = jax.lax.scan(body, (x, caches), (weights, layers))
+        return x, caches
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection: x [..., d] -> [..., V] float32."""
