@@ -1,15 +1,21 @@
-"""A real `hisparse serve` process on a free loopback port (one per module,
-stopped by PID with SIGTERM at the end), the real SmolLM2-135M, talked to with
-the `openai` client and httpx: the API, the faults, a bounded load test and a
-graceful stop."""
+"""Real `hisparse serve` processes on free loopback ports (tests.helpers.running_server:
+stopped by PID), the real SmolLM2-135M, talked to with the `openai` client and httpx:
+the API, the faults, a bounded load test and a graceful stop. Three servers: the
+main one (one per module, stopped with SIGTERM by the last test), the load test's
+own (a deeper queue) and the fault server (a tiny cold page pool, --fault-injection)."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
+import itertools
 import json
 import os
+import random
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -229,49 +235,216 @@ def test_prewarm_skips_the_documents_prefill(server, tok):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
-LOAD_PROMPTS = [
-    "The capital of France is",
-    "List three prime numbers.",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The grass is green. The sky is blue. " * 70,  # ~630 tokens: a chunked prefill
-    "Water boils at",
-]
+# ---------------------------------------------------------------- the bounded load test
+
+LOAD_CLIENTS = 64
+LOAD_ISSUE_S = 20     # clients start new requests for this long ...
+LOAD_DRAIN_S = 130    # ... and every issued one must be answered within this after (it takes ~80)
+LOAD_MAX_REQUESTS = 256  # and at most this many requests in all (4 per client)
+DOC = "The grass is green. The sky is blue. The sun is yellow. Water is wet. "
 
 
-def test_bounded_load_matches_served_alone(server, client):
-    """16 clients at once against 4 slots and a queue of 12: every request
-    completes, and each greedy answer equals the same request served alone.
-    Bounded: 16 requests, 300 s."""
-    jobs = [(LOAD_PROMPTS[i % len(LOAD_PROMPTS)], 4 + (i * 5) % 13) for i in range(16)]
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One kind of request of the load mix; each is answered the same way every
+    time it is sent (greedy, or sampled with a fixed seed), so each has one
+    served-alone answer. over=True: prompt + max_tokens exceed the context: a 400."""
+    name: str
+    prompt: object          # text, token ids, or chat messages (chat=True)
+    max_tokens: int
+    stream: bool = False
+    chat: bool = False
+    seed: int | None = None  # None: greedy
+    over: bool = False
+
+
+def _load_jobs(tok) -> list[Job]:
+    doc = tok.encode(DOC * 120)
+    assert len(doc) > CONTEXT
+    return [
+        Job("france", FRANCE, 6),
+        Job("fib-stream", "def fibonacci(n):", 8, stream=True),
+        Job("story-seeded", "Once upon a time, in a small village,", 6, seed=11),
+        Job("chat", [{"role": "user", "content": "What is the capital of France?"}], 6,
+            chat=True),
+        Job("ids-100", doc[:100], 4),
+        Job("ids-400-stream", doc[3:403], 4, stream=True),
+        Job("ids-700-seeded", doc[5:705], 4, seed=5),
+        Job("ids-1016-at-limit", doc[:1016], 8),                  # 1016 + 8 = 1024
+        Job("ids-1020-at-limit-stream", doc[7:1027], 4, stream=True),  # 1020 + 4 = 1024
+        Job("over-by-1", doc[:1000], 25, over=True),              # 1025 > 1024
+        Job("over-prompt", doc[:1100], 4, over=True),
+        Job("over-chat", [{"role": "user", "content": "Hi"}], CONTEXT, chat=True, over=True),
+    ]
+
+
+# a client's cycle: each long prompt (one or two 512-token prefill blocks) and each
+# over-the-limit request once in 32, the rest short; client i starts at position i,
+# so the first 64 requests are this cycle twice
+LOAD_CYCLE = ["france", "fib-stream", "story-seeded", "chat", "ids-100", "over-by-1",
+              "france", "story-seeded", "ids-400-stream", "fib-stream", "chat", "france",
+              "ids-100", "story-seeded", "ids-1016-at-limit", "fib-stream", "chat",
+              "over-prompt", "france", "story-seeded", "fib-stream", "ids-700-seeded",
+              "chat", "france", "ids-100", "story-seeded", "over-chat", "fib-stream",
+              "chat", "france", "ids-1020-at-limit-stream", "story-seeded"]
+
+
+@pytest.fixture
+def load_server(tmp_path):
+    """The load test's own server: 4 slots, a 1024-token context and a queue of 48:
+    52 of the 64 clients' first requests are taken, the other 12 get a 503 and come
+    back after its Retry-After (a queue of 12, as the main server's, would leave 48
+    clients hammering it with retries)."""
+    log = tmp_path / "serve.log"
+    args = ["--max-seqs", "4", "--max-context", str(CONTEXT), "--max-waiting", "48",
+            "--api-key", KEY, "--price-per-hour", "2.0"]
+    with running_server(args, log, START_S) as (url, proc):
+        yield {"url": url, "proc": proc, "log": log}
+
+
+def _ask(client, job: Job) -> dict:
+    """Send `job` once; its answer as {text, finish, usage, ...}, checked to be well
+    formed. Raises openai.APIStatusError on a 4xx/5xx."""
+    kw = {"model": MODEL, "max_tokens": job.max_tokens}
+    kw.update({"temperature": 0} if job.seed is None else
+              {"temperature": 0.8, "top_p": 0.95, "seed": job.seed})
+    api = client.chat.completions if job.chat else client.completions
+    kw["messages" if job.chat else "prompt"] = job.prompt
+    if not job.stream:
+        r = api.create(**kw)
+        assert r.object == ("chat.completion" if job.chat else "text_completion"), r
+        assert r.id and r.model == MODEL and len(r.choices) == 1, r
+        c = r.choices[0]
+        text = c.message.content if job.chat else c.text
+        usage, finish = r.usage, c.finish_reason
+    else:
+        chunks = list(api.create(**kw, stream=True, stream_options={"include_usage": True}))
+        body = [c for c in chunks if c.choices]
+        assert body and all(len(c.choices) == 1 for c in body), chunks
+        assert all(c.choices[0].finish_reason is None for c in body[:-1]), chunks
+        assert len({c.id for c in chunks}) == 1 and not chunks[-1].choices, chunks
+        text = "".join((c.choices[0].delta.content or "") if job.chat else c.choices[0].text
+                       for c in body)
+        usage, finish = chunks[-1].usage, body[-1].choices[0].finish_reason
+    assert isinstance(text, str) and finish in ("stop", "length"), (job.name, finish)
+    assert 1 <= usage.completion_tokens <= job.max_tokens, (job.name, usage)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if finish == "length":
+        assert usage.completion_tokens == job.max_tokens, (job.name, usage)
+    return {"text": text, "finish": finish, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens}
+
+
+def test_bounded_load_matches_served_alone(load_server, tok, record_property):
+    """64 clients (threads, one `openai` client) issue requests for 20 s against 4
+    slots and a queue of 48, a mix of greedy, seeded-sampled and streamed completions
+    and chats, prompts from 5 tokens to the 1024-token context (prompt + max_tokens =
+    1024 exactly), and requests over the limit. Bounded in time (no new request after
+    LOAD_ISSUE_S; every issued one answered within LOAD_DRAIN_S more) and in count. No
+    request is lost: each gets a well-formed answer, or a 400 (over the limit, counted
+    apart), or a 503 + Retry-After that the client honours and retries. Every answer,
+    greedy or seeded, equals the same request's answer served alone (computed first, one
+    at a time, through the same server). Prints the throughput it held.
+    """
+    server = load_server
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0,
+                           timeout=LOAD_ISSUE_S + LOAD_DRAIN_S)
+    jobs = {j.name: j for j in _load_jobs(tok)}
+    assert set(LOAD_CYCLE) == set(jobs)
+    for j in jobs.values():  # the lengths are what the names say
+        if isinstance(j.prompt, list) and not j.chat:
+            assert (len(j.prompt) + j.max_tokens > CONTEXT) == j.over
+    # served alone: each job once, one at a time
+    t0 = time.monotonic()
+    alone = {name: _ask(client, j) for name, j in jobs.items() if not j.over}
+    alone_s = time.monotonic() - t0
+    for name, j in jobs.items():
+        if isinstance(j.prompt, list) and not j.chat and not j.over:
+            assert alone[name]["prompt_tokens"] == len(j.prompt)
     before = _metrics(server)
 
-    def run(job):
-        p, n = job
-        r = client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0)
-        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
+    start = time.monotonic()
+    issue_until, answer_until = start + LOAD_ISSUE_S, start + LOAD_ISSUE_S + LOAD_DRAIN_S
+    lock = threading.Lock()
+    issued = itertools.count()
+    results = []  # (job name, answer, 503 retries, seconds)
+    refused, lost = [], []
 
-    t = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(run, jobs, timeout=300))
-    wall = time.monotonic() - t
+    def client_loop(i: int):
+        k = 0
+        while time.monotonic() < issue_until:
+            with lock:
+                if next(issued) >= LOAD_MAX_REQUESTS:
+                    return
+            job = jobs[LOAD_CYCLE[(i + 5 * k) % len(LOAD_CYCLE)]]
+            k += 1
+            t, retries = time.monotonic(), 0
+            while True:
+                try:
+                    answer = _ask(client, job)
+                except openai.APIStatusError as e:
+                    if e.status_code == 503 and time.monotonic() < answer_until:
+                        retries += 1  # honour Retry-After (jittered, so 48 don't stampede)
+                        time.sleep(float(e.response.headers["retry-after"]) *
+                                   random.uniform(1.0, 2.0))
+                        continue
+                    err = e.response.json()["error"]
+                    with lock:
+                        (refused if e.status_code == 400 and job.over else lost).append(
+                            (job.name, e.status_code, err))
+                    break
+                except Exception as e:  # noqa: BLE001 (a lost request, reported below)
+                    with lock:
+                        lost.append((job.name, type(e).__name__, str(e)[:300]))
+                    break
+                with lock:
+                    results.append((job.name, answer, retries, time.monotonic() - t))
+                break
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True)
+               for i in range(LOAD_CLIENTS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(max(0.0, answer_until + 30 - time.monotonic()))
+    wall = time.monotonic() - start
+    assert not any(th.is_alive() for th in threads), "a client did not finish in time"
     after = _metrics(server)
-    tokens = sum(g[1] for g in got)
+
+    n_issued = len(results) + len(refused) + len(lost)
+    tokens = sum(a["completion_tokens"] for _, a, _, _ in results)
+    retries = sum(r for _, _, r, _ in results)
+    by_kind = collections.Counter(name for name, *_ in results)
+    e2e = sorted(s for *_, s in results)
+    line = (f"load: {LOAD_CLIENTS} clients, {wall:.1f} s ({LOAD_ISSUE_S} s issuing), "
+            f"{n_issued} requests: {len(results)} answered, {len(refused)} over the limit "
+            f"(400), {len(lost)} lost; {retries} 503 + Retry-After retries; "
+            f"{len(results) / wall:.2f} req/s, {tokens / wall:.2f} output tok/s "
+            f"({tokens} tokens); latency median {e2e[len(e2e) // 2]:.1f} s, max "
+            f"{e2e[-1]:.1f} s; served alone first: {alone_s:.1f} s for {len(alone)} requests")
+    print("\n" + line)
+    record_property("load", line)
+    assert not lost, lost[:5]
+    assert retries >= LOAD_CLIENTS - 4 - 48  # the first wave overflowed the queue
+    assert all(err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+               for _, _, err in refused), refused[:3]
+    assert refused and all(jobs[name].over for name, *_ in refused)
+    # every kind ran under load, and each answer is the one served alone
+    assert set(by_kind) == set(alone), by_kind
+    for name, answer, _, _ in results:
+        assert answer == alone[name], (name, answer, alone[name])
+    # the server's own counters agree, and it is idle again
+    done = sum(after.get(f'hisparse:request_success_total{{finished_reason="{r}"}}', 0) -
+               before.get(f'hisparse:request_success_total{{finished_reason="{r}"}}', 0)
+               for r in ("stop", "length"))
+    assert done == len(results)
+    assert after["hisparse:generation_tokens_total"] - \
+        before["hisparse:generation_tokens_total"] == tokens
     rejected = 'hisparse:request_rejected_total{status="503"}'
-    print(f"load: 16 requests, {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), "
-          f"{after.get(rejected, 0) - before.get(rejected, 0):.0f} answered 503")
-    # served alone: each prompt once, with its longest max_tokens (greedy answers of
-    # fewer tokens are prefixes of it, or stop earlier at EOS)
-    alone = {}
-    for p in LOAD_PROMPTS:
-        n = max(m for q, m in jobs if q == p)
-        alone[p] = run((p, n))
-    for (p, n), (text, used, reason) in zip(jobs, got):
-        ref_text, ref_used, _ = alone[p]
-        if reason == "length":
-            assert used == n and ref_text.startswith(text), (p, n, text, ref_text)
-        else:
-            assert (text, used) == (ref_text, ref_used)
+    assert after.get(rejected, 0) - before.get(rejected, 0) == retries
+    assert after["hisparse:num_requests_running"] == after["hisparse:num_requests_waiting"] == 0
+    assert after["hisparse:kv_cache_usage_perc"] == 0
+    assert after['hisparse:kv_cold_pool_pages{state="used"}'] == 0
     assert after["hisparse:generation_throughput_busy_tokens_per_second"] > 0
     assert after["hisparse:cost_per_1k_generation_tokens_dollars"] > 0
 
@@ -316,6 +489,160 @@ def test_queue_full_answers_503_with_retry_after(server):
     busy = next(r for r in rs if r.status_code == 503)
     assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "overloaded"
     assert all(r.json()["usage"]["completion_tokens"] == 4 for r in rs if r.status_code == 200)
+
+
+# ---------------------------------------------------------------- faults: the pool, NaN
+
+FAULT_POOL = 8  # cold pages per layer: a 610-token sequence takes 6 (cold from 529 tokens on)
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory):
+    """A second server: 2 slots over a cold page pool of FAULT_POOL pages per layer
+    (two 610-token sequences need 12), with --fault-injection (a request's
+    fault_nan_kv_after turns its K/V to NaN)."""
+    log = tmp_path_factory.mktemp("fault") / "serve.log"
+    args = ["--max-seqs", "2", "--max-context", str(CONTEXT), "--kv-pool-pages",
+            str(FAULT_POOL), "--max-waiting", "4", "--fault-injection"]
+    with running_server(args, log, START_S) as (url, proc):
+        assert f"cold page pool: {FAULT_POOL} pages per layer" in log.read_text()
+        yield {"url": url, "proc": proc, "log": log}
+
+
+def _sse(server, body) -> list[dict]:
+    """A streamed completion's events (the JSON of each `data:` line, "[DONE]" as
+    {"done": True})."""
+    out = []
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body,
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append({"done": True} if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _streamed(events) -> tuple[str, str | None, dict | None]:
+    """(text, finish_reason, the error event's error or None) of `_sse`'s events."""
+    assert events[-1] == {"done": True}, events[-3:]
+    body = [e for e in events if e.get("choices")]
+    err = next((e["error"] for e in events if "error" in e), None)
+    return ("".join(e["choices"][0]["text"] for e in body),
+            body[-1]["choices"][0]["finish_reason"], err)
+
+
+def test_pool_running_out_never_corrupts_another_stream(fault_server, tok):
+    """Two streams whose prompt + max_tokens need 6 cold pages each, over a pool of
+    8: admission reserves a request's whole need, so the second waits (queued, with
+    a slot free) while the first streams, then runs; neither ever finds the pool
+    empty (without the reservation both prefills take 4 pages each, and the first
+    decode step to make a 9th page cold would be handed a page the other holds).
+    Both streams equal their served-alone output; a request that needs more than
+    the whole pool gets a 400 at once; afterwards no page is in use."""
+    doc = tok.encode(DOC * 60)
+    bodies = [{"prompt": doc[i:i + 590], "max_tokens": 20, "temperature": 0,
+               "ignore_eos": True, "stream": True} for i in (0, 7)]
+    assert all(len(b["prompt"]) == 590 for b in bodies)
+    alone = [_streamed(_sse(fault_server, b)) for b in bodies]
+    assert all(a[1] == "length" and a[2] is None for a in alone)
+    assert alone[0][0] != alone[1][0]
+    total = FAULT_POOL * 30  # the metric sums the 30 layers
+
+    samples, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            m = _metrics(fault_server)
+            samples.append((m["hisparse:num_requests_running"],
+                            m["hisparse:num_requests_waiting"],
+                            m['hisparse:kv_cold_pool_pages{state="used"}'],
+                            m['hisparse:kv_cold_pool_pages{state="reserved"}']))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda b: _streamed(_sse(fault_server, b)), bodies,
+                                     timeout=300))
+    finally:
+        stop.set()
+        watcher.join()
+    assert together == alone
+    assert (1, 1) in [(r, w) for r, w, _, _ in samples], samples  # one waited for pages
+    assert (2, 0) not in [(r, w) for r, w, _, _ in samples], samples  # never both at once
+    assert 4 * 30 <= max(u for *_, u, _ in samples) <= 6 * 30  # one sequence's pages at most
+    assert max(r for *_, r in samples) == 6 * 30
+    # more than the whole pool: refused at once, with the reason
+    r = _post(fault_server, "/v1/completions", {"prompt": doc[:590], "max_tokens": 200},
+              key=None)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_pool_too_small" and err["param"] == "max_tokens"
+    assert f"the pool holds {FAULT_POOL}" in err["message"]
+    after = _metrics(fault_server)
+    assert after['hisparse:kv_cold_pool_pages{state="used"}'] == 0
+    assert after['hisparse:kv_cold_pool_pages{state="reserved"}'] == 0
+    assert after['hisparse:kv_cold_pool_pages{state="total"}'] == total
+    assert after["hisparse:kv_cold_pool_usage_perc"] == 0
+    assert after["hisparse:num_requests_running"] == after["hisparse:num_requests_waiting"] == 0
+
+
+def test_nan_in_one_request_never_reaches_another(fault_server):
+    """A request whose K/V turn NaN after 3 tokens (fault injection) decodes in the
+    same batch as a healthy stream: the poisoned one is stopped with a clear error
+    (streamed: an error event, then finish_reason "abort"; not streamed: a 500 with
+    the message) before any NaN-derived token is sent, and the healthy stream's
+    output is exactly its served-alone output. Afterwards nothing is poisoned and
+    the slots and pages are free."""
+    healthy = {"prompt": FRANCE, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+               "stream": True}
+    sick = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "fault_nan_kv_after": 3}
+    ref = _streamed(_sse(fault_server, healthy))
+    plain = {k: v for k, v in sick.items() if k != "fault_nan_kv_after"}
+    sick_alone = _post(fault_server, "/v1/completions", plain, key=None).json()
+    sick_text = sick_alone["choices"][0]["text"]
+    before = _metrics(fault_server)
+    errors = 'hisparse:request_success_total{finished_reason="error"}'
+
+    def alongside(send_sick):
+        """The healthy stream, and once it is decoding, `send_sick()` next to it."""
+        got = {}
+        start = _metrics(fault_server)["hisparse:generation_tokens_total"]
+        th = threading.Thread(target=lambda: got.update(
+            healthy=_streamed(_sse(fault_server, healthy))))
+        th.start()
+        deadline = time.monotonic() + 120
+        while _metrics(fault_server)["hisparse:generation_tokens_total"] < start + 2:
+            assert time.monotonic() < deadline, "the healthy stream did not start"
+            time.sleep(0.05)
+        got["sick"] = send_sick()
+        th.join(300)
+        assert not th.is_alive()
+        return got
+
+    got = alongside(lambda: _streamed(_sse(fault_server, {**sick, "stream": True})))
+    assert got["healthy"] == ref
+    text, finish, err = got["sick"]
+    assert finish == "abort" and err is not None and "non-finite" in err["message"], got
+    assert text and sick_text.startswith(text)  # its first 3 tokens, then nothing
+    got = alongside(lambda: _post(fault_server, "/v1/completions", sick, key=None))
+    assert got["healthy"] == ref
+    r = got["sick"]
+    assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"], r.text
+    after = _metrics(fault_server)
+    assert after[errors] - before.get(errors, 0) == 2
+    assert after["hisparse:poisoned_sequences"] == 0
+    assert after['hisparse:kv_cold_pool_pages{state="used"}'] == 0
+    assert after["hisparse:num_requests_running"] == 0
+    assert "fault injection is ON" in fault_server["log"].read_text()
+
+
+def test_fault_injection_is_off_by_default(server):
+    r = _post(server, "/v1/completions", {"prompt": FRANCE, "fault_nan_kv_after": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "fault_nan_kv_after"
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(server):

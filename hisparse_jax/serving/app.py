@@ -33,7 +33,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.serving.metrics import Metrics
-from hisparse_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler, Token
+from hisparse_jax.serving.scheduler import (
+    Finish,
+    QueueFull,
+    Request,
+    Scheduler,
+    Token,
+    TooLarge,
+)
 from hisparse_jax.validate import check_int, check_number
 
 log = logging.getLogger("hisparse.serve")
@@ -55,6 +62,8 @@ class ServeConfig:
     shutdown_timeout: float = 30.0       # SIGTERM: seconds to finish running requests
     record_traffic: str | None = None    # append each accepted request to this .jsonl
     kv_cache_memory: int | None = None   # bytes: slots from the capacity planner
+    kv_pool_pages: int | None = None     # cold pool pages per layer (None: every slot's context)
+    fault_injection: bool = False        # tests only: honour a request's fault_nan_kv_after
 
     def __post_init__(self):
         if not (isinstance(self.models, tuple) and self.models
@@ -75,6 +84,10 @@ class ServeConfig:
             check_int("kv_cache_memory", self.kv_cache_memory, minimum=1)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.kv_pool_pages is not None:
+            check_int("kv_pool_pages", self.kv_pool_pages, minimum=1)
+            if self.attention != "hisparse":
+                raise ValueError("kv_pool_pages: only attention='hisparse' has a page pool")
 
 
 # ---------------------------------------------------------------- errors
@@ -125,6 +138,7 @@ class _Common(_Schema):
     ignore_eos: bool = False          # vLLM's extension (benchmarks: fixed output lengths)
     context_id: str | None = None     # ours: a prewarmed document goes before the prompt
     user: str | None = None
+    fault_nan_kv_after: int | None = None  # tests only (--fault-injection): NaN K/V after N tokens
 
 
 class CompletionRequest(_Common):
@@ -354,11 +368,7 @@ def build_app(st: State) -> FastAPI:
 
         req = Request(ids=ids, max_tokens=1, sampling=SamplingParams(), prewarm=r.context_id,
                       sink=sink)
-        try:
-            ms.scheduler.submit(req)
-        except QueueFull as e:
-            raise APIError(503, f"overloaded: {e}", type="server_error", code="overloaded",
-                           headers={"Retry-After": "1"}) from None
+        submit(ms, req)
         ev = await done
         if ev.reason != "stop":
             raise APIError(400 if ev.reason == "error" else 503,
@@ -454,19 +464,33 @@ def build_app(st: State) -> FastAPI:
             raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
         if stops and ms.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer", param="stop")
+        fault = r.fault_nan_kv_after
+        if fault is not None:
+            if not st.cfg.fault_injection:
+                raise APIError(400, "fault_nan_kv_after: fault injection is off (a test "
+                               "server's --fault-injection turns it on)",
+                               param="fault_nan_kv_after")
+            if ms.engine.cache_cfg is None or fault < 1:
+                raise APIError(400, "fault_nan_kv_after: a token count >= 1, on a HiSparse "
+                               "engine", param="fault_nan_kv_after")
         return Request(ids=ids, max_tokens=max_tokens, sampling=sampling, sink=None,
                        stops=tuple(stops), eos=() if r.ignore_eos else ms.eos,
-                       logprobs=logprobs)
+                       logprobs=logprobs, fault_nan_kv_after=fault)
 
-    async def respond(http: HTTPRequest, ms: Served, r: _Common, req: Request, kind: str):
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+    def submit(ms: Served, req: Request):
         try:
             ms.scheduler.submit(req)
         except QueueFull as e:
             raise APIError(503, f"overloaded: {e}", type="server_error", code="overloaded",
                            headers={"Retry-After": "1"}) from None
+        except TooLarge as e:
+            raise APIError(400, str(e), param="max_tokens", code="kv_pool_too_small") from None
+
+    async def respond(http: HTTPRequest, ms: Served, r: _Common, req: Request, kind: str):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        submit(ms, req)
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         chat = kind == "chat.completion"

@@ -42,9 +42,20 @@ def build_state(cfg):
         model, tok = load(source)
         context = cfg.max_context or model.cfg.max_position
         seqs, line = plan_slots(model.cfg, context, cfg)
+        pool = None if cfg.kv_pool_pages is None else {"num_pool_pages": cfg.kv_pool_pages}
         engine = Engine(model, max_seqs=seqs, max_context=context,
-                        attention=cfg.attention, budget_tokens=cfg.budget_tokens)
+                        attention=cfg.attention, budget_tokens=cfg.budget_tokens,
+                        cache_overrides=pool)
         log.info("%s: %s", name, line)
+        if engine.cache_cfg is not None:
+            c = engine.cache_cfg
+            log.info("%s: cold page pool: %d pages per layer (%d per full context); "
+                     "admission reserves prompt + max_tokens worth of pages", name,
+                     c.pool_pages, int(engine.cache_cfg.max_pages - c.sink_pages - c.hot_pages
+                                       - c.warm_pages))
+        if cfg.fault_injection:
+            log.warning("%s: fault injection is ON (requests may poison themselves "
+                        "with fault_nan_kv_after): for tests only", name)
         log.info("%s: compiling (%s attention) ...", name, cfg.attention)
         log.info("%s: compiled in %.1f s", name, engine.warmup())
         bound = metrics.bind(name)
@@ -121,7 +132,8 @@ def main_serve(args):
                       api_key=args.api_key, host=args.host, port=args.port,
                       price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
                       prefill_budget=args.prefill_budget, record_traffic=args.record_traffic,
-                      kv_cache_memory=args.kv_cache_memory)
+                      kv_cache_memory=args.kv_cache_memory,
+                      kv_pool_pages=args.kv_pool_pages, fault_injection=args.fault_injection)
     serve(cfg)
 
 
@@ -142,6 +154,13 @@ def add_serving_parsers(subparsers):
     s.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                    help="KV cache budget (e.g. 2GiB): the slots are as many full contexts "
                         "as it holds, by the capacity planner (instead of --max-seqs)")
+    s.add_argument("--kv-pool-pages", type=positive_int, default=None, metavar="N",
+                   help="cold page pool per layer (default: every slot's full context); "
+                        "admission reserves each request's prompt + max_tokens worth of "
+                        "pages, so a smaller pool makes requests wait, never fail mid-way")
+    s.add_argument("--fault-injection", action="store_true",
+                   help="tests only: honour a request's 'fault_nan_kv_after': N (its K/V "
+                        "turn NaN after N tokens)")
     s.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
     s.add_argument("--budget-tokens", type=budget_tokens, default=2048, metavar="N",
                    help="cold tokens attended per KV head (multiple of 16), or 'all'")

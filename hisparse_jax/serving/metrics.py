@@ -42,6 +42,10 @@ class Metrics:
             "pool_usage": Gauge("hisparse:kv_cold_pool_usage_perc", "Share of the HiSparse "
                                 "cold page pool in use, read from the live pool (0 for "
                                 "dense)", M, registry=r),
+            "pool_pages": Gauge("hisparse:kv_cold_pool_pages", "Cold pool pages summed over "
+                                "the layers: used (read from the live pool), reserved by "
+                                "the running requests (prompt + max_tokens each) and total",
+                                [*M, "state"], registry=r),
             "prompt_tokens": Counter("hisparse:prompt_tokens", "Prefilled prompt tokens", M,
                                      registry=r),
             "generation_tokens": Counter("hisparse:generation_tokens", "Generated tokens", M,
@@ -81,8 +85,11 @@ class Metrics:
         """One model's series: attributes named as `families`' keys; `success` keeps
         its finished_reason label (`.labels(finished_reason=...)`)."""
         out = {k: f.labels(model_name=model_name) for k, f in self.families.items()
-               if k not in ("success", "tier_tokens")}
+               if k not in ("success", "tier_tokens", "pool_pages")}
         success, tiers = self.families["success"], self.families["tier_tokens"]
+        pool = self.families["pool_pages"]
+        out["pool_pages"] = types.SimpleNamespace(
+            labels=lambda state: pool.labels(model_name=model_name, state=state))
         out["success"] = types.SimpleNamespace(
             labels=lambda finished_reason: success.labels(model_name=model_name,
                                                           finished_reason=finished_reason))

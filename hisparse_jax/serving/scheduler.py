@@ -13,6 +13,25 @@ So a long prompt costs the running streams one block per step, never its whole
 prefill. A running sequence is never evicted: a request waits until a slot is
 free, and the queue's bound turns away the rest (`QueueFull`, a 503).
 
+Pages. A HiSparse sequence takes cold pages from the engine's shared pool as it
+grows, and the pool's raw operations trust the caller to leave room (an empty
+free stack would hand out a page another sequence holds). So admission reserves
+each request's whole need up front: the cold pages of prompt + max_tokens tokens
+(`pages_needed`). The head of the queue waits (FIFO, nothing overtakes it) until
+the running requests' reservations leave room for it; a request that needs more
+than the whole pool is refused at `submit` (`TooLarge`, a 400). A running
+sequence therefore never finds the pool empty, and none is evicted or
+overwritten to make room. With the default pool (every slot's full context)
+the reservation never binds.
+
+Non-finite values. After every prefill and decode step the sequences whose
+logits are not all finite, or whose cache took a NaN/inf K or V (`poisoned`), are
+stopped with an "error" finish before their token is sent: a poisoned request
+gets a clear error, never garbage, and its slot and pages are freed. The other
+sequences of the batch are untouched (their rows of the step are computed
+independently; tests/test_serving_engine.py and tests/test_serving_api.py show
+them bit-equal to the same requests served alone).
+
 A prewarm request (`Request.prewarm`) is prefilled like any other; then its
 prompt's whole-block K/V are pinned (`Prefix`) and its slot freed. A later prompt
 that starts with a pinned prompt's ids resumes its prefill after them.
@@ -29,6 +48,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import state as st
@@ -42,6 +62,15 @@ log = logging.getLogger("hisparse.serve")
 
 class QueueFull(Exception):
     """The wait queue is full (or the server is shutting down): try again later."""
+
+
+class TooLarge(ValueError):
+    """The request needs more cold pool pages than the whole pool holds: it could
+    never run (a 400, not a 503)."""
+
+
+NONFINITE = ("non-finite values (NaN or inf) in this request's activations: it was "
+             "stopped before they reached its output; other requests are unaffected")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +102,10 @@ class Request:
     eos: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k
     prewarm: str | None = None   # a context id: prefill, pin the prompt's K/V, no tokens
+    # Fault injection (tests only; the server accepts it only with --fault-injection):
+    # after this many generated tokens the sequence's K/V are overwritten with NaN,
+    # as if its activations had blown up.
+    fault_nan_kv_after: int | None = None
     id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -102,6 +135,7 @@ class _Seq:
     decoding: bool = False  # prefill done
     generated: int = 0
     last: float = 0.0       # when its last token came
+    pages: int = 0          # cold pool pages reserved for it (per layer)
 
 
 class Scheduler:
@@ -120,12 +154,33 @@ class Scheduler:
         self.prefixes: dict[str, Prefix] = {}  # context id -> pinned K/V
         self.busy_s = 0.0  # time spent in steps that had work (for the cost figure)
         self.generated = 0
+        cfg = engine.cache_cfg
+        self.pool_pages = 0 if cfg is None else cfg.pool_pages  # per layer
         self._thread: threading.Thread | None = None
+
+    def pages_needed(self, req: Request) -> int:
+        """Cold pool pages (per layer) `req` can take at most: those of a sequence of
+        its prompt + max_tokens tokens (0 for a dense engine)."""
+        cfg = self.engine.cache_cfg
+        if cfg is None:
+            return 0
+        n = min(len(req.ids) + req.max_tokens, self.engine.max_context)
+        return int(st.num_cold_pages(cfg, n))
+
+    def reserved(self) -> int:
+        """Cold pool pages (per layer) reserved by the requests in slots."""
+        return sum(s.pages for s in self.slots if s is not None)
 
     # ------------------------------------------------------------ any thread
 
     def submit(self, req: Request):
-        """Queue `req`; QueueFull when the queue is full or the server is stopping."""
+        """Queue `req`; QueueFull when the queue is full or the server is stopping,
+        TooLarge when it needs more pages than the whole pool."""
+        need = self.pages_needed(req)
+        if need > self.pool_pages and self.engine.cache_cfg is not None:
+            raise TooLarge(f"{len(req.ids)} prompt tokens + max_tokens={req.max_tokens} need "
+                           f"{need} cold KV pool pages; the pool holds {self.pool_pages} "
+                           f"(--kv-pool-pages): lower max_tokens or the prompt")
         with self.cond:
             if not self.admitting:
                 raise QueueFull("the server is shutting down")
@@ -200,10 +255,16 @@ class Scheduler:
             for slot, seq in enumerate(self.slots):
                 if seq is not None and seq.req.cancelled:
                     self._finish(slot, "abort")
+            reserved = self.reserved()
             for slot in range(eng.max_seqs):
                 if self.slots[slot] is None and self.waiting:
+                    need = self.pages_needed(self.waiting[0])
+                    if reserved + need > self.pool_pages and eng.cache_cfg is not None:
+                        break  # the head waits for pages; FIFO: nothing overtakes it
                     r = self.waiting.popleft()
-                    self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos))
+                    reserved += need
+                    self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos),
+                                            pages=need)
                     self.prefilling.append(slot)
             self._gauges()
         spent = 0
@@ -224,20 +285,49 @@ class Scheduler:
                 seq.decoding = True
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(n)
-                if seq.req.prewarm is not None:
+                if self._nonfinite(np.arange(eng.max_seqs) == slot, prefill=True)[slot]:
+                    self._finish(slot, "error", NONFINITE)
+                elif seq.req.prewarm is not None:
                     self._pin(slot, seq)
                 else:
                     self._emit(slot, tok, eng.logits)
         live = np.array([s is not None and s.decoding for s in self.slots])
         if live.any():
             nxt = eng.decode_step(live)
+            bad = self._nonfinite(live)
             logits = eng.logits if any(s is not None and s.req.logprobs is not None
                                        for s in self.slots) else None
             for slot in np.flatnonzero(live):
-                self._emit(int(slot), int(nxt[slot]), None if logits is None else logits[slot])
+                if bad[slot]:
+                    self._finish(int(slot), "error", NONFINITE)
+                else:
+                    self._emit(int(slot), int(nxt[slot]),
+                               None if logits is None else logits[slot])
         with self.cond:
             self._gauges()
         self._cache_metrics(live)
+
+    def _nonfinite(self, mask: np.ndarray, prefill: bool = False) -> np.ndarray:
+        """[B] bool: the slots in `mask` whose last logits hold a NaN or inf, or
+        whose cache is poisoned (a non-finite K/V). One small device read."""
+        eng = self.engine
+        lg = eng.logits
+        ok = jnp.all(jnp.isfinite(lg), axis=-1)
+        ok = jnp.broadcast_to(ok, (eng.max_seqs,)) if prefill else ok  # prefill: [V]
+        if eng.cache_cfg is not None:
+            ok = ok & ~jnp.any(eng.caches.poisoned, axis=0)
+        return mask & ~np.asarray(ok)
+
+    def _inject_nan(self, slot: int, token: int):
+        """Fault injection: overwrite `slot`'s K/V with NaN (every layer, every
+        token so far), keeping its length and next token; the next decode step
+        then runs it, poisoned, next to the others."""
+        eng = self.engine
+        mc = eng.model.cfg
+        n = int(eng.lens[slot])
+        nan = np.full((mc.num_layers, n, mc.num_kv_heads, mc.head_dim), np.nan, np.float32)
+        log.warning("fault injection: NaN K/V in %s (slot %d)", self.slots[slot].req.id, slot)
+        eng.prefill_kv(slot, nan, nan, next_token=token, sampling=eng.sampling[slot])
 
     def _cache_metrics(self, decoded: np.ndarray):
         """The cache's own figures after a step: pool pages in use (read from the
@@ -250,6 +340,11 @@ class Scheduler:
         cfg, lens = eng.cache_cfg, eng.lens
         used, total = eng.pool_usage()
         m.pool_usage.set(used / total)
+        layers = eng.model.cfg.num_layers
+        m.pool_pages.labels(state="used").set(used)
+        m.pool_pages.labels(state="total").set(total)
+        with self.cond:
+            m.pool_pages.labels(state="reserved").set(self.reserved() * layers)
         for tier, n in eng.tier_tokens().items():
             m.tier_tokens.labels(tier=tier).set(n)
         cold = st.num_cold_pages(cfg, lens) * (lens > 0)
@@ -312,6 +407,8 @@ class Scheduler:
             self._finish(slot, "stop")
         elif seq.generated >= req.max_tokens or self.engine.room(slot) <= 0:
             self._finish(slot, "length")
+        elif req.fault_nan_kv_after == seq.generated:
+            self._inject_nan(slot, token)
 
     def _finish(self, slot: int, reason: str, message: str = ""):
         """Free `slot` now and tell its request why it ended."""
