@@ -114,10 +114,11 @@ def main(argv=None):
         engines = {a: eng.Engine(model, max_seqs=batch, max_context=args.context + 2 * args.repeats
                                  + 64, attention=a, budget_tokens=budget)
                    for a in ("hisparse", "dense")}
-        for e in engines.values():
-            e.prefill(0, ids)
-            for s in range(1, batch):  # the same prompt in every slot: one prefill's K/V
-                e.prefill_kv(s, *engines["dense"].kv(0), int(e.tokens[0]))
+        first = engines["dense"].prefill(0, ids)  # the same prompt in every slot: its K/V
+        kv = engines["dense"].kv(0)
+        for a, e in engines.items():
+            for s in range(a == "dense", batch):
+                e.prefill_kv(s, *kv, first)
         variants = {"weights": "hisparse", "dense": "dense", "hisparse": "hisparse",
                     "append_only": "hisparse", "attend_only": "hisparse"}
         times = {v: [] for v in variants}

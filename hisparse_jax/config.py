@@ -186,8 +186,11 @@ class HiSparseConfig:
 
     @property
     def sample_pages(self) -> int:
-        """Unselected cold pages sampled per KV head (none when every page is selected)."""
-        return 0 if self.budget_tokens == FULL_BUDGET else self.tail_sample_pages
+        """Unselected cold pages sampled per KV head (none when every page is
+        selected, or when the context is too short to leave any unselected)."""
+        if self.budget_tokens == FULL_BUDGET or self._cold_pages <= self.candidate_pages:
+            return 0
+        return self.tail_sample_pages
 
     @property
     def sticky(self) -> bool:

@@ -105,3 +105,27 @@ def test_engine_decode_step_updates_caches_in_place():
         jnp.ones(2, bool), engine._samp(range(2)), **engine._static()).compile()
     layer_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.caches)) / mc.num_layers
     assert compiled.memory_analysis().temp_size_in_bytes < layer_bytes / 2
+
+
+def test_engine_refuses_what_the_pool_cannot_hold():
+    """A pool smaller than the slots' contexts: the engine refuses the prefill or
+    the decode step that would need a page nobody freed (CacheFullError, nothing
+    written) instead of handing out a page another sequence holds."""
+    from hisparse_jax.cache import CacheFullError
+    mc = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, max_position=2048)
+    engine = eng.Engine(Llama(mc, random_weights(mc)), max_seqs=2, max_context=2048,
+                        budget_tokens=256, cache_overrides={"num_pool_pages": 8})
+    c = engine.cache_cfg
+    n = (c.sink_pages + c.hot_pages + c.warm_pages + 8) * c.page_size  # 8 cold pages, full
+    ids = np.arange(n) % 200
+    engine.prefill(0, ids)
+    with pytest.raises(CacheFullError, match="8 pages"):
+        engine.prefill(1, ids)
+    assert engine.lens[1] == 0
+    with pytest.raises(CacheFullError):  # the next token opens a page: a 9th goes cold
+        engine.decode_step()
+    assert engine.lens[0] == n
+    engine.release(0)
+    engine.prefill(1, ids[:200])
+    assert engine.decode_step()[1] >= 0

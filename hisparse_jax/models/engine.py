@@ -29,6 +29,7 @@ from flax import nnx
 from hisparse_jax import attention as att
 from hisparse_jax import layout
 from hisparse_jax import state as st
+from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
@@ -264,12 +265,27 @@ class Engine:
     def _check_slot(self, slot) -> int:
         return check_int("slot", slot, minimum=0, maximum=self.max_seqs - 1)
 
+    def _check_pool(self, lens_after: np.ndarray):
+        """CacheFullError unless the cold pool holds every slot at `lens_after`
+        tokens (0 = empty). The pool's raw operations trust their caller: on an
+        empty free stack they would hand out a page another sequence holds. Every
+        layer holds the same tokens, so one layer's count on the host decides."""
+        c = self.cache_cfg
+        if c is None:
+            return
+        lens = np.asarray(lens_after, np.int64)
+        need = int(np.sum(st.num_cold_pages(c, lens) * (lens > 0)))
+        if need > c.pool_pages:
+            raise CacheFullError(f"the cold KV pool holds {c.pool_pages} pages per layer; "
+                                 f"these sequences need {need}: nothing was written")
+
     def prefill(self, slot: int, ids, sampling: SamplingParams = GREEDY) -> int:
         """Empty `slot` and fill it with prompt `ids`; returns the first generated
         token (the logits are left in `self.logits`, shape [V])."""
         slot = self._check_slot(slot)
         ids = self._check_prompt(ids)
         n = ids.shape[0]
+        self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
         self.sampling[slot] = sampling
         padded = np.zeros(prefill_length(n), np.int32)
         padded[:n] = ids
@@ -318,6 +334,7 @@ class Engine:
             return self.prefill(slot, ids, sampling)
         start = check_int("start", start, minimum=0, maximum=n - 1)
         if start == 0:
+            self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
             self.release(slot)
             self._stage_slot, self._staged = slot, 0
         elif (self._stage_slot, self._staged) != (slot, start):
@@ -335,6 +352,8 @@ class Engine:
         self._staged = start + len(real)
         if self._staged < n:
             return None
+        # decode steps between the blocks may have taken pages: check again
+        self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
         k, v = self._stage
         if self.cache_cfg is None:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
@@ -412,6 +431,7 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens does not fit max_context={self.max_context}")
         next_token = check_int("next_token", next_token, minimum=0,
                                maximum=mc.vocab_size - 1)
+        self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
         pad = prefill_length(n) - n
         pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
                                                                    (0, 0)))
@@ -444,6 +464,7 @@ class Engine:
         if np.any(full):
             raise ValueError(f"slots {np.flatnonzero(full).tolist()} are full: "
                              f"max_context={self.max_context} tokens")
+        self._check_pool(self.lens + active)
         nxt, self.logits, self.caches = _decode(
             self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
             jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static())
