@@ -174,7 +174,7 @@ def _residual_mass_case(seed, window_nats=0.0):
     on SmolLM2's heads): query head 0 is sharp (candidate 0 holds most of its mass)
     and spreads its remainder over candidates 1-30, which Quest's bound ranks
     next; heads 1 and 2 hold almost all their mass in the window and the rest on
-    candidates 31-39. Returns (logits [1, 1, 3, 40, 16], (bound, slack), window lse
+    candidates 31-39. Returns (logits [1, 1, 3, 40, 16], bound, window lse
     [1, 1, 3], Quest's 31 candidates)."""
     rng = np.random.default_rng(seed)
     c, t = 40, 16
@@ -187,11 +187,10 @@ def _residual_mass_case(seed, window_nats=0.0):
     bound = np.zeros((3, c), np.float32)
     bound[0] = np.concatenate([[12.0], 10.0 - np.arange(30) * 0.05, 6.0 - np.arange(9) * 0.05])
     bound[1:] = 5.0 + rng.random((2, c)) * 0.5
-    slack = np.full((3, c), 0.01, np.float32)
     page = np.log(np.exp(x.astype(np.float64)).sum(-1))
     cand = np.log(np.exp(page).sum(-1))
     window = np.array([cand[0] - 3.0 + window_nats, cand[1] + 4.0, cand[2] + 4.0], np.float32)
-    return (jnp.asarray(x[None, None]), (jnp.asarray(bound[None, None]), jnp.asarray(slack[None, None])),
+    return (jnp.asarray(x[None, None]), jnp.asarray(bound[None, None]),
             jnp.asarray(window[None, None]), np.arange(31), np.exp(page - cand[:, None]))
 
 
