@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, resolve_implementation
 from hisparse_jax.state import CacheState, slot_positions
 from pallas_kernels.lookup import reference as lookup_ref
+from pallas_kernels.quant.reference import INT4_LEVELS, decode_fp8
 from pallas_kernels.sparse_decode import reference as decode_ref
 
 
@@ -292,17 +293,25 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
     return jnp.where(ok, idx, -1).astype(jnp.int32), logw.astype(jnp.float32)
 
 
-def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array):
+def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
+           bound: jax.Array | None = None, window_lse: jax.Array | None = None):
     """Which candidates a decode step attends, from their exact (int4) logits.
 
     Each query head's share of every candidate page's mass among the candidates,
-    summed over the group, ranks them; the `budget_pages` best are kept. Of the
-    rejected ones, `cfg.rerank_samples` are drawn in one systematic sample, a
-    quarter of it uniform and the rest in proportion to their group mass, and
+    summed over the group, ranks them; the `budget_pages` best are kept. Given
+    each candidate's Quest bound (`candidate_bounds`) and the window's log-sum-exp,
+    a sharp query head (one candidate holds more than `cfg.quest_floor_mass` of
+    its mass on the window and the candidates) keeps at least the int4 mass that
+    plain Quest's pages among the candidates give it (`_quest_floor`).
+    Of the rejected ones, `cfg.rerank_samples` are drawn in one systematic sample,
+    a quarter of it uniform and the rest in proportion to their group mass, and
     weighted by 1 / their expected number of draws: their mass is estimated, as
     `sample_tail` does for the pages that were not candidates.
 
-    logits [B, Hkv, G, C, T] scaled, -inf where masked; seq_lens [B] ->
+    logits [B, Hkv, G, C, T] scaled, -inf where masked; seq_lens [B]; bound: the
+    candidates' Quest bound [B, Hkv, G, C] (`candidate_bounds`; or a function
+    returning it, called only when some head is sharp) and window_lse [B, Hkv, G]
+    (`window_lse`), or None (no floor) ->
     (kept [B, Hkv, K], drawn [B, Hkv, m]: indices into the C candidates, -1 = none;
     drawn_logw [B, Hkv, m] f32 log weights, 0 where none)."""
     b, h, _, c, _ = logits.shape
@@ -313,7 +322,23 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array):
     share = page / jnp.maximum(jnp.sum(page, axis=-1, keepdims=True), 1e-30)
     group = jnp.sum(share, axis=2)                                # [B, Hkv, C]
     valid = group > 0                                             # NaN keys: never attended
-    best, kept = jax.lax.top_k(jnp.where(valid, group, -1.0), min(cfg.budget_pages, c))
+    score = jnp.where(valid, group, -1.0)
+    k = min(cfg.budget_pages, c)
+    if bound is not None and cfg.quest_floor_mass < 1 and k < c:
+        # Each head's mass on the window, in units of its candidates' mass.
+        cand_lse = top[..., 0, 0] + jnp.log(jnp.sum(page, axis=-1))  # [B, Hkv, G]
+        window = jnp.exp(jnp.minimum(window_lse - cand_lse, 80.0))
+        window = jnp.where(jnp.isnan(window), 0.0, window)
+        share = jnp.where(valid[:, :, None], share, 0.0)
+        sharp = jnp.max(share, axis=-1) > cfg.quest_floor_mass * (1.0 + window)
+        # Only when some head is sharp (random keys: never): the bounds' gather and
+        # the floor cost about 3 ms per step at 32K on XLA:CPU.
+        score = jax.lax.cond(
+            jnp.any(sharp),
+            lambda: _quest_floor(score, share, sharp, QUEST_FLOOR_SLACK * (1.0 + window),
+                                 bound() if callable(bound) else bound, k),
+            lambda: score)
+    best, kept = jax.lax.top_k(score, k)
     kept = jnp.where(best > 0, kept, -1).astype(jnp.int32)
     m = cfg.rerank_samples
     if m == 0:
@@ -331,6 +356,96 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array):
     ok = jnp.take_along_axis(free, drawn, axis=-1) & (p_drawn > 0)
     logw = jnp.where(ok, -jnp.log(jnp.where(ok, m * p_drawn, 1.0)), 0.0)
     return kept, jnp.where(ok, drawn, -1).astype(jnp.int32), logw.astype(jnp.float32)
+
+
+# How far below Quest's pages' mass the floor lets a sharp head fall, as a share
+# of its mass on the window and the candidates. With 0, several sharp heads a few
+# ten-thousandths short pull a group to Quest's set (GQA-4 generated sharp
+# workload: mean recall 0.590 -> 0.581); with 1e-4 the 128K test workload's
+# concentrated recall fell to 0.9494 (< 0.95) and one needle page was lost.
+QUEST_FLOOR_SLACK = 1e-3
+
+
+def _quest_floor(score, share, sharp, slack, bound, k):
+    """The re-rank's score [B, Hkv, C] (group mass shares, -1 = not valid) with
+    every page outside the chosen budget set at -1. Of the sets made of the
+    score's best j pages followed by plain Quest's order (the best group-maximum
+    bounds) up to k pages, j = 0..k, the one with the most group score among those
+    that give every sharp query head (sharp [B, Hkv, G]) at least the int4 mass
+    (share [B, Hkv, G, C]) of Quest's own k pages (j = 0, always allowed), less
+    slack [B, Hkv, G] (in the same units). Where
+    the score's best k already do (most groups; all without a sharp head), that
+    is the set, as without the floor.
+
+    Why (issue 14): the shares count every head alike, so a head whose mass sits
+    almost all in the window outvotes a sharp head for its spread remainder, and
+    the sharp head ends below plain Quest (by up to 0.07 of its mass on SmolLM2's
+    heads). Only sharp heads are held to Quest: held for every head, the floor
+    cost the 128K test workload's concentrated heads 0.002 of recall."""
+    c = score.shape[-1]
+    valid = score > 0
+    qb = jnp.max(bound, axis=2)
+    qb = jnp.where(valid & ~jnp.isnan(qb), qb, -jnp.inf)
+    order_s = jax.lax.top_k(score, c)[1]                          # [B, Hkv, C]
+    order_q = jax.lax.top_k(qb, c)[1]
+    rank_s, rank_q = jnp.argsort(order_s, axis=-1), jnp.argsort(order_q, axis=-1)
+    j = jnp.arange(k + 1)
+    lead = (rank_s[:, :, None, :] < j[:, None]) & valid[:, :, None]   # [B, Hkv, J, C]
+    rest = jnp.take_along_axis(~lead & valid[:, :, None], order_q[:, :, None, :], axis=-1)
+    fill = rest & (jnp.cumsum(rest, axis=-1) <= (k - j)[:, None])      # in Quest's order
+    member = lead | jnp.take_along_axis(fill, rank_q[:, :, None, :], axis=-1)
+    mass = jnp.einsum("bhjc,bhgc->bhjg", member.astype(share.dtype), share)
+    ok = jnp.all((mass >= mass[:, :, :1] - slack[:, :, None]) | ~sharp[:, :, None],
+                 axis=-1)  # j = 0: Quest's set
+    total = jnp.sum(mass, axis=-1)
+    # The best allowed j; on ties the larger (more of the shares' order).
+    pick = k - jnp.argmax(jnp.where(ok, total, -1.0)[..., ::-1], axis=-1)
+    chosen = jnp.take_along_axis(member, pick[:, :, None, None], axis=2)[:, :, 0]
+    return jnp.where(chosen, score, -1.0)
+
+
+def candidate_bounds(q: jax.Array, int4_k: jax.Array, digest_center: jax.Array,
+                     digest_radius: jax.Array, slots: jax.Array):
+    """Quest's bound sum_d max(q_d lo_d, q_d hi_d) / sqrt(D) [B, Hkv, G, C] (-inf
+    where slots is -1) of the candidates at pool slots [B, Hkv, C] for grouped
+    queries q [B, Hkv, G, D], over each page's per-channel range of its int4 keys
+    (the codes' min and max). That range is within half a quantization step of the
+    keys' own, so this orders pages closer to plain Quest over the exact keys than
+    the digest's range, which is wider (its e4m3 radius is rounded up, by up to
+    1/8): with it the floor protected the wrong edge pages (docs/results.md).
+    At the budget's edge the order can still differ from exact Quest's."""
+    heads = jnp.arange(q.shape[1])[None, :, None]
+    ok = slots >= 0
+    ids = jnp.maximum(slots, 0)
+    c = jnp.where(ok[..., None], digest_center[heads, ids].astype(jnp.float32), 0.0)
+    r = jnp.where(ok[..., None], digest_radius[heads, ids].astype(jnp.float32), 0.0)
+    lo, step = c - r, r * (2.0 / INT4_LEVELS)                # as decode_ref.cold_logits
+    kc = int4_k[heads, ids]                                  # [B, Hkv, C, T, D/2]
+    cmin = jnp.concatenate([jnp.min(kc & 0xF, axis=3), jnp.min(kc >> 4, axis=3)], -1)
+    cmax = jnp.concatenate([jnp.max(kc & 0xF, axis=3), jnp.max(kc >> 4, axis=3)], -1)
+    kmin = lo + step * cmin.astype(jnp.float32)
+    kmax = lo + step * cmax.astype(jnp.float32)
+    qs = q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))
+    bound = (jnp.einsum("bhgd,bhcd->bhgc", jnp.maximum(qs, 0), kmax)
+             + jnp.einsum("bhgd,bhcd->bhgc", jnp.minimum(qs, 0), kmin))
+    return jnp.where(ok[:, :, None], bound, -jnp.inf)
+
+
+def window_lse(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
+               fp8_valid, sm_scale):
+    """log sum exp [B, Hkv, G] of the scaled logits over the sink, hot and warm
+    tokens (`decode_ref.window_parts`' arguments; the same logits, no values)."""
+    del bf16_v, fp8_v, fp8_v_scale
+    q = q.astype(jnp.float32)
+    keys = [(bf16_k.astype(jnp.float32), bf16_valid)]
+    if fp8_k.shape[2]:
+        keys.append((decode_fp8(fp8_k, fp8_k_scale), fp8_valid))
+    lses = []
+    for k, valid in keys:
+        valid = valid[:, None, None, :]
+        x = jnp.einsum("bhgd,bhtd->bhgt", q, k) * sm_scale
+        lses.append(jax.nn.logsumexp(jnp.where(valid, x, -jnp.inf), axis=-1))
+    return functools.reduce(jnp.logaddexp, lses)
 
 
 def take_or_none(x, idx):
@@ -411,7 +526,11 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, im
     raw = decode_ref.cold_logits(qg, int4_k, center, radius,
                                  slots if impl == "pallas" else listed)
     cand_logits = decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale)
-    kept, drawn, drawn_logw = rerank(cfg, cand_logits, state.seq_lens)
+    floor = {}
+    if cfg.quest_floor_mass < 1:
+        floor = dict(bound=lambda: candidate_bounds(qg, int4_k, center, radius, slots),
+                     window_lse=window_lse(*window, sm_scale))
+    kept, drawn, drawn_logw = rerank(cfg, cand_logits, state.seq_lens, **floor)
     n = sample_slots.shape[-1]
     picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32),
                                                              sample_slots.shape)], axis=-1)

@@ -73,6 +73,12 @@ class HiSparseConfig:
     # 1 = off. docs/results.md measures it.
     rerank_multiple: float = 1.25
     rerank_sample_pages: int = 8
+    # Sharp heads (issue 14): a query head one of whose candidates holds more than
+    # quest_floor_mass of its mass on the window and the candidates keeps, in the
+    # re-rank, at least the int4 mass plain Quest's pages among the candidates
+    # give it, so heads whose mass sits in the window cannot outvote it for its
+    # residual mass. 1 = off. docs/results.md ("Sharp heads") measures it.
+    quest_floor_mass: float = 0.5
     # A page the previous decode step selected keeps its place unless a new page
     # scores this much higher (nats, added to its log scores): near-ties at the
     # budget's edge stop flickering from step to step, so offload fetches fewer
@@ -125,6 +131,8 @@ class HiSparseConfig:
              "tail_sample_pages", "must be a non-negative int")
         need(is_number(self.rerank_multiple) and math.isfinite(self.rerank_multiple)
              and self.rerank_multiple >= 1, "rerank_multiple", "must be a finite number >= 1")
+        need(is_number(self.quest_floor_mass) and 0.0 < self.quest_floor_mass <= 1.0,
+             "quest_floor_mass", "must be a number in (0, 1]")
         need(is_int(self.rerank_sample_pages) and self.rerank_sample_pages >= 0,
              "rerank_sample_pages", "must be a non-negative int")
         need(is_number(self.sticky_nats) and math.isfinite(self.sticky_nats)

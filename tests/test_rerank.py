@@ -119,12 +119,17 @@ def test_fused_attention_equals_attending_the_chosen_pages(gqa):
     x = decode_ref.weighted_logits(
         decode_ref.cold_logits(qg, st.int4_k, st.digest_center, st.digest_radius, slots),
         slots, None, sm)
-    kept2, drawn, drawn_logw = attention.rerank(cfg, x, st.seq_lens)
+    bf16_pos, fp8_pos = slot_positions(cfg, st.seq_lens)
+    window = (qg.astype(jnp.float32), st.bf16_k, st.bf16_v, bf16_pos >= 0, st.fp8_k, st.fp8_v,
+              st.fp8_k_scale, st.fp8_v_scale, fp8_pos >= 0)
+    kept2, drawn, drawn_logw = attention.rerank(
+        cfg, x, st.seq_lens,
+        attention.candidate_bounds(qg, st.int4_k, st.digest_center, st.digest_radius, slots),
+        attention.window_lse(*window, sm))
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(kept2))
     ids = jnp.concatenate([attention.take_or_none(slots, jnp.concatenate([kept2, drawn], -1)),
                            sample_slots], axis=-1)
     logw = jnp.concatenate([jnp.zeros(kept2.shape), drawn_logw, sel.sample_logw], axis=-1)
-    bf16_pos, fp8_pos = slot_positions(cfg, st.seq_lens)
     ref, _ = decode_ref.sparse_decode(
         qg, st.bf16_k, st.bf16_v, bf16_pos >= 0, st.fp8_k, st.fp8_v, st.fp8_k_scale,
         st.fp8_v_scale, fp8_pos >= 0, *cold, ids, sm_scale=sm, cold_logw=logw)
