@@ -414,13 +414,24 @@ def candidate_bounds(q: jax.Array, int4_k: jax.Array, digest_center: jax.Array,
     the digest's range, which is wider (its e4m3 radius is rounded up, by up to
     1/8): with it the floor protected the wrong edge pages (docs/results.md).
     At the budget's edge the order can still differ from exact Quest's."""
-    heads = jnp.arange(q.shape[1])[None, :, None]
+    return _bounds(q, *candidate_pages(int4_k, digest_center, digest_radius, slots), slots)
+
+
+def candidate_pages(int4_k, digest_center, digest_radius, slots):
+    """What `candidate_bounds` reads of the pool: the candidates' int4 keys [B, Hkv,
+    C, T, D/2] and their digests [B, Hkv, C, D] (zeros where slots is -1). Gather
+    them outside a `lax.cond`: a pool passed into one is copied whole first."""
+    heads = jnp.arange(slots.shape[1])[None, :, None]
     ok = slots >= 0
     ids = jnp.maximum(slots, 0)
     c = jnp.where(ok[..., None], digest_center[heads, ids].astype(jnp.float32), 0.0)
     r = jnp.where(ok[..., None], digest_radius[heads, ids].astype(jnp.float32), 0.0)
+    return int4_k[heads, ids], c, r
+
+
+def _bounds(q, kc, c, r, slots):
+    ok = slots >= 0
     lo, step = c - r, r * (2.0 / INT4_LEVELS)                # as decode_ref.cold_logits
-    kc = int4_k[heads, ids]                                  # [B, Hkv, C, T, D/2]
     cmin = jnp.concatenate([jnp.min(kc & 0xF, axis=3), jnp.min(kc >> 4, axis=3)], -1)
     cmax = jnp.concatenate([jnp.max(kc & 0xF, axis=3), jnp.max(kc >> 4, axis=3)], -1)
     kmin = lo + step * cmin.astype(jnp.float32)
@@ -528,7 +539,8 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, im
     cand_logits = decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale)
     floor = {}
     if cfg.quest_floor_mass < 1:
-        floor = dict(bound=lambda: candidate_bounds(qg, int4_k, center, radius, slots),
+        pages = candidate_pages(int4_k, center, radius, slots)
+        floor = dict(bound=lambda: _bounds(qg, *pages, slots),
                      window_lse=window_lse(*window, sm_scale))
     kept, drawn, drawn_logw = rerank(cfg, cand_logits, state.seq_lens, **floor)
     n = sample_slots.shape[-1]
