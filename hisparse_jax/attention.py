@@ -540,8 +540,8 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, im
     floor = {}
     if cfg.quest_floor_mass < 1:
         pages = candidate_pages(int4_k, center, radius, slots)
-        floor = dict(bound=lambda: _bounds(qg, *pages, slots),
-                     window_lse=window_lse(*window, sm_scale))
+        floor = {"bound": lambda: _bounds(qg, *pages, slots),
+                 "window_lse": window_lse(*window, sm_scale)}
     kept, drawn, drawn_logw = rerank(cfg, cand_logits, state.seq_lens, **floor)
     n = sample_slots.shape[-1]
     picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32),
