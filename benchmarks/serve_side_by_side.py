@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -73,10 +74,17 @@ def main():
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--out", default="benchmarks/results/serve_side_by_side.jsonl")
+    p.add_argument("--log-dir", default=tempfile.gettempdir(),
+                   help="each server's output goes to LOG_DIR/serve_NAME.log")
     a = p.parse_args()
+    # The recorded command names no path of this machine: the llama.cpp venv is
+    # LLAMACPP_VENV, as in docs/serving.md.
+    argv = [x.replace(os.path.dirname(os.path.dirname(a.llama_python)), "LLAMACPP_VENV")
+            if a.llama_python and x == a.llama_python else x for x in sys.argv]
     from hisparse_jax.models.registry import fetch
     gguf = str(fetch("smollm2-135m"))
     conc = [int(c) for c in a.concurrency.split(",")]
+    log_path = lambda name: os.path.join(a.log_dir, f"serve_{name}.log")
     for name in a.servers.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -88,12 +96,12 @@ def main():
                    str(a.max_context), "--n_threads", "2", "--n_batch", "512", "--host",
                    "127.0.0.1", "--port", str(port), "--model_alias", "smollm2-135m",
                    "--interrupt_requests", "False"]  # else a new request cuts the running one
-            proc = start(cmd, {"OMP_WAIT_POLICY": "passive"}, f"/tmp/serve_{name}.log")
+            proc = start(cmd, {"OMP_WAIT_POLICY": "passive"}, log_path(name))
         else:
             cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", name,
                    "--max-seqs", str(max(conc)), "--max-context", str(a.max_context),
                    "--port", str(port)]
-            proc = start(cmd, log=f"/tmp/serve_{name}.log")
+            proc = start(cmd, log=log_path(name))
         try:
             wait_up(url, proc)
             for c in conc:
@@ -110,7 +118,7 @@ def main():
                     continue
                 row = json.loads(r.stdout.strip().splitlines()[-1])
                 row.update(server=name, concurrency=c,
-                           command_line=" ".join(["python"] + sys.argv))
+                           command_line=" ".join(["python"] + argv))
                 with open(a.out, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{name} c={c}: {row['output_throughput']:.2f} tok/s out, "
