@@ -45,16 +45,12 @@ def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant):
     def attend(caches, layer, q, k, v):
         if variant == "weights":
             return q, caches
-        if variant == "dense":
-            kc, vc = caches
-            at = (layer, jnp.arange(q.shape[0]), slice(None), lens)
-            kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
-            vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
-            return eng.dense_attention(q, kc[layer], vc[layer], lens + 1), (kc, vc)
-        if variant in ("hisparse", "append_only"):
-            caches = st.append_layer(hcfg, caches, layer, k, v, active)[0]
+        if variant == "dense":  # the engine's
+            return eng.dense_decode_layer(caches, layer, q, k, v, lens, active)
+        if variant == "hisparse":  # the engine's
+            return att.decode_layer(hcfg, caches, layer, q, k, v, active)
         if variant == "append_only":
-            return q, caches
+            return q, st.append_layer(hcfg, caches, layer, k, v, active)[0]
         out, _, after = att.decode_step(hcfg, st.layer_view(hcfg, caches, layer), q)
         return out, caches.replace(
             last_selected=caches.last_selected.at[layer].set(after.last_selected))

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, resolve_implementation
-from hisparse_jax.state import CacheState, slot_positions
+from hisparse_jax.state import CacheState, append_layer, layer_view, slot_positions
 from pallas_kernels.lookup import reference as lookup_ref
-from pallas_kernels.quant.reference import INT4_LEVELS, decode_fp8
+from pallas_kernels.quant.reference import INT4_LEVELS
 from pallas_kernels.sparse_decode import reference as decode_ref
 
 
@@ -445,18 +445,12 @@ def _bounds(q, kc, c, r, slots):
 def window_lse(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
                fp8_valid, sm_scale):
     """log sum exp [B, Hkv, G] of the scaled logits over the sink, hot and warm
-    tokens (`decode_ref.window_parts`' arguments; the same logits, no values)."""
-    del bf16_v, fp8_v, fp8_v_scale
-    q = q.astype(jnp.float32)
-    keys = [(bf16_k.astype(jnp.float32), bf16_valid)]
-    if fp8_k.shape[2]:
-        keys.append((decode_fp8(fp8_k, fp8_k_scale), fp8_valid))
-    lses = []
-    for k, valid in keys:
-        valid = valid[:, None, None, :]
-        x = jnp.einsum("bhgd,bhtd->bhgt", q, k) * sm_scale
-        lses.append(jax.nn.logsumexp(jnp.where(valid, x, -jnp.inf), axis=-1))
-    return functools.reduce(jnp.logaddexp, lses)
+    tokens (`decode_ref.window_parts`' arguments): the window parts' own, so that
+    the XLA path computes them once (the same ops, merged by XLA) and the Pallas
+    path drops their values as dead code."""
+    return decode_ref.merge_parts(decode_ref.window_parts(
+        q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale, fp8_valid,
+        sm_scale))[1]
 
 
 def take_or_none(x, idx):
@@ -584,6 +578,20 @@ def decode_step(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, impleme
     out, pages = _attend_logical(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
                                  implementation)
     return out, pages, remember(cfg, state, sel.pages)
+
+
+def decode_layer(cfg: HiSparseConfig, stacked: CacheState, layer, q, k, v, active, *,
+                 implementation=None):
+    """One layer of a model's decode step on a layer-stacked state
+    (`state.init_stacked`), in place: append each active sequence's k, v [B, Hkv,
+    D] (`state.append_layer`), attend with q [B, Hq, D] (`decode_step`) and
+    remember its candidates (all a decode step changes besides the append).
+    -> (out [B, Hq, D] float32, stacked)."""
+    stacked = append_layer(cfg, stacked, layer, k, v, active, implementation=implementation)[0]
+    out, _, after = decode_step(cfg, layer_view(cfg, stacked, layer), q,
+                                implementation=implementation)
+    return out, stacked.replace(
+        last_selected=stacked.last_selected.at[layer].set(after.last_selected))
 
 
 @jax.jit

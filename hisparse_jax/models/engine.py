@@ -63,6 +63,17 @@ def dense_attention(q, k, v, lengths):
     return jnp.einsum("bhgs,bhsd->bhgd", p, v.astype(jnp.float32)).reshape(b, hq, d)
 
 
+def dense_decode_layer(caches, layer, q, k, v, lens, active):
+    """`attention.decode_layer` for the dense cache ([L, B, Hkv, S, D] pair): write
+    each active slot's k, v at its length, in place, and attend exactly."""
+    kc, vc = caches
+    at = (layer, jnp.arange(q.shape[0]), slice(None),  # indexed as [B, Hkv, D]
+          jnp.where(active, lens, kc.shape[3]))        # inactive slots: dropped
+    kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
+    vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
+    return dense_attention(q, kc[layer], vc[layer], lens + active), (kc, vc)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _release(cfg: HiSparseConfig, caches, slot):
     return jax.vmap(lambda s: st.stored(st.release(cfg, st.live(cfg, s), slot)))(caches)
@@ -181,23 +192,12 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     """tokens [B] at positions lens [B] (active [B] slots) -> (next tokens [B],
     logits [B, V], caches)."""
     model = nnx.merge(graphdef, params)
-    b = tokens.shape[0]
 
     def attend(caches, layer, q, k, v):
         if hcfg is None:
-            kc, vc = caches
-            at = (layer, jnp.arange(b), slice(None),  # indexed as [B, Hkv, D]
-                  jnp.where(active, lens, kc.shape[3]))  # inactive slots: dropped
-            kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
-            vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
-            return dense_attention(q, kc[layer], vc[layer], lens + active), (kc, vc)
-        caches, _, _ = st.append_layer(hcfg, caches, layer, k, v, active,
-                                       implementation=implementation)
-        out, _, after = att.decode_step(hcfg, st.layer_view(hcfg, caches, layer), q,
-                                        implementation=implementation)
-        # `remember` is all a decode step changes
-        return out, caches.replace(
-            last_selected=caches.last_selected.at[layer].set(after.last_selected))
+            return dense_decode_layer(caches, layer, q, k, v, lens, active)
+        return att.decode_layer(hcfg, caches, layer, q, k, v, active,
+                                implementation=implementation)
 
     x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
     logits = model.logits(x)
