@@ -177,3 +177,44 @@ def test_bench_datasets(model):
                tokenizer=None)  # --tokenizer none: token ids
     assert all(j.prompt[:300] == ids[0].prompt[:300] for j in ids)
     assert {len(j.prompt) for j in ids} == {310}
+
+
+def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids):
+    """A pool too small for two copies of a document runs two requests over it at
+    once: each references the pinned document's cold pages and stores only its
+    own tail; both answers equal the prompt served alone. After DELETE and their
+    end, the document's pages are only cached (free on demand)."""
+    from hisparse_jax import state as st
+    m, tok = model
+    doc = [int(x) for x in long_ids]
+    qs = [doc + tok.encode(q) for q in (" What is green?", " And which colour is the sky?")]
+    probe = Engine(m, max_seqs=1, max_context=1024)
+    cold = lambda n: int(st.num_cold_pages(probe.cache_cfg, n))
+    full = cold(len(qs[1]) + 8)
+    pool = cold(len(doc)) + 2 * (full - cold(len(doc)))  # the doc once, two tails
+    assert pool < cold(len(doc)) + 2 * full  # two unshared requests would not fit
+    eng = Engine(m, max_seqs=2, max_context=1024, cache_overrides={"num_pool_pages": pool})
+    sched = Scheduler(eng, tok)
+    pin = Collect()
+    sched.submit(Request(doc, 1, GREEDY, pin, prewarm="doc"))
+    while pin.finish is None:
+        sched.step()
+    assert pin.finish.reason == "stop" and eng.prefix_stats()["pinned_pages"] == cold(len(doc))
+    sinks = [Collect(), Collect()]
+    for q, s in zip(qs, sinks):
+        sched.submit(Request(q, 8, GREEDY, s))
+    sched.step()
+    assert sched.running() == 2  # both admitted at once: the doc's pages are shared
+    peak = 0
+    while sched.running():
+        sched.step()
+        peak = max(peak, eng.pool_usage()[0] // m.cfg.num_layers)
+    assert peak <= pool
+    for q, s in zip(qs, sinks):
+        probe.prefill(0, q)
+        alone = [int(probe.tokens[0])] + [int(probe.decode_step()[0]) for _ in range(7)]
+        probe.release(0)
+        assert s.ids == alone and s.finish.reason == "length"
+    assert sched.unpin("doc")
+    sched.step()  # the engine thread lets the document's pages go
+    assert eng.prefix_stats()["pinned_pages"] == 0 and eng.pool_usage()[0] == 0

@@ -121,11 +121,14 @@ def test_engine_refuses_what_the_pool_cannot_hold():
     ids = np.arange(n) % 200
     engine.prefill(0, ids)
     with pytest.raises(CacheFullError, match="8 pages"):
-        engine.prefill(1, ids)
+        engine.prefill(1, (ids + 1) % 200)  # another prompt: 8 pages of its own
     assert engine.lens[1] == 0
     with pytest.raises(CacheFullError):  # the next token opens a page: a 9th goes cold
         engine.decode_step()
     assert engine.lens[0] == n
+    engine.prefill(1, ids)  # the same prompt shares slot 0's cold pages: no new page
+    assert engine.num_free == 0 and engine.pool_usage()[0] == 8 * mc.num_layers
     engine.release(0)
-    engine.prefill(1, ids[:200])
+    engine.release(1)
+    engine.prefill(1, ids[:200] + 3)
     assert engine.decode_step()[1] >= 0

@@ -14,6 +14,16 @@ A decode step is one jitted program for all layers and slots (a `lax.scan` over
 the layers, no host sync inside); the caches are donated and carried through the
 scan, and each layer writes only what changes at its layer index, so XLA updates
 them in place. The only host sync is reading the sampled tokens back.
+
+Prefix sharing (HiSparse): every prompt's full cold pages go into one
+`PrefixIndex` for all layers (an entry's pages are one global id per layer,
+layer * pool_pages + page). A later prompt that starts with the same tokens
+references those pool pages instead of storing its own (a prefill given the ids:
+`prefill`, `prefill_chunk`, `prefill_kv(..., ids=)`), so N sequences over one
+document hold its cold pages once. `pin` keeps a prompt's pages after its
+sequence ends (a prewarmed document); unpinned pages nobody uses stay indexed
+and are evicted, oldest first, when the pool runs short (`pool_available`
+counts them as free).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
+from hisparse_jax.prefix import PrefixIndex
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids
 
 ATTENTIONS = ("hisparse", "dense")
@@ -79,11 +90,21 @@ def _release(cfg: HiSparseConfig, caches, slot):
     return jax.vmap(lambda s: st.stored(st.release(cfg, st.live(cfg, s), slot)))(caches)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=1)
+def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
+    """Take (retain) or drop one prefix-index reference on each pool page of
+    pages [L, n] (-1 = skip), layer by layer."""
+    f = st.retain_pages if retain else st.drop_pages
+    return jax.vmap(lambda s, p: st.stored(f(cfg, st.live(cfg, s), p)))(caches, pages)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
                    donate_argnames="caches")
-def _prefill(params, caches, slot, ids, length, samp, *, graphdef, hcfg, implementation):
+def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
+             implementation):
     """One slot's prompt ids [Tp] (the first `length` real, the rest padding) ->
-    (first generated token [], its logits [V], caches)."""
+    (first generated token [], its logits [V], caches). shared [L, Tp / page]:
+    pool pages the prompt references instead of storing (-1: none)."""
     model = nnx.merge(graphdef, params)
     t = ids.shape[0]
     chunk = min(t, PREFILL_CHUNK)
@@ -100,7 +121,8 @@ def _prefill(params, caches, slot, ids, length, samp, *, graphdef, hcfg, impleme
                 c, x[:n].transpose(1, 0, 2)[None, None].astype(c.dtype), (layer, slot, 0, 0, 0))
             return out, (put(caches[0], k), put(caches[1], v))
         cache = st.release(hcfg, st.layer_view(hcfg, caches, layer), slot)
-        cache = st.prefill(hcfg, cache, slot, k, v, length, implementation=implementation)
+        cache = st.prefill(hcfg, cache, slot, k, v, length, shared[layer],
+                           implementation=implementation)
         return out, st.set_layer(caches, layer, cache)
 
     x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend)
@@ -110,12 +132,13 @@ def _prefill(params, caches, slot, ids, length, samp, *, graphdef, hcfg, impleme
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length):
-    """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16)."""
-    def one(cache, k, v):
+def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared):
+    """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16), shared
+    [L, T / page] as `_prefill`'s."""
+    def one(cache, k, v, shared):
         cache = st.release(hcfg, st.live(hcfg, cache), slot)
-        return st.stored(st.prefill(hcfg, cache, slot, k, v, length))
-    return jax.vmap(one)(caches, k, v)
+        return st.stored(st.prefill(hcfg, cache, slot, k, v, length, shared))
+    return jax.vmap(one)(caches, k, v, shared)
 
 
 def _chunk_attention(q, ks, vs, start):
@@ -237,12 +260,19 @@ class Engine:
                 max_context=-(-max_context // 16) * 16, max_seqs=max_seqs,
                 budget_tokens=budget_tokens, **(cache_overrides or {}))
             self.caches = st.init_stacked(self.cache_cfg, layers)
+            self.prefix = PrefixIndex(self.cache_cfg.page_size)
+            self.prefix.bind(self._drop_pages)
+            self.evicted_pages = 0  # per layer
+            self.num_free = self.cache_cfg.pool_pages  # per layer (every layer holds the same)
         else:
             if cache_overrides:
                 raise ValueError("cache_overrides apply to attention='hisparse' only")
             self.cache_cfg = None
             shape = (layers, max_seqs, mc.num_kv_heads, max_context, mc.head_dim)
             self.caches = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+            self.prefix, self.num_free = None, 0
+        self._holds: dict[int, tuple[list, list]] = {}  # slot -> (hashes, pages) to share
+        self._refs: dict[int, list] = {}  # slot -> prefix hashes its sequence references
         self.lens = np.zeros(max_seqs, np.int32)
         self.tokens = np.zeros(max_seqs, np.int32)  # each slot's last token (next input)
         self.sampling = [GREEDY] * max_seqs
@@ -265,19 +295,162 @@ class Engine:
     def _check_slot(self, slot) -> int:
         return check_int("slot", slot, minimum=0, maximum=self.max_seqs - 1)
 
-    def _check_pool(self, lens_after: np.ndarray):
-        """CacheFullError unless the cold pool holds every slot at `lens_after`
-        tokens (0 = empty). The pool's raw operations trust their caller: on an
-        empty free stack they would hand out a page another sequence holds. Every
-        layer holds the same tokens, so one layer's count on the host decides."""
-        c = self.cache_cfg
-        if c is None:
+    def _make_room(self, need: int):
+        """CacheFullError unless `need` more cold pool pages (per layer) are free,
+        after evicting unused, unpinned prefixes (oldest first). The pool's raw
+        operations trust their caller: on an empty free stack they would hand out
+        a page another sequence holds. Every layer holds the same tokens, so one
+        count on the host decides."""
+        if self.cache_cfg is None:
             return
-        lens = np.asarray(lens_after, np.int64)
-        need = int(np.sum(st.num_cold_pages(c, lens) * (lens > 0)))
-        if need > c.pool_pages:
-            raise CacheFullError(f"the cold KV pool holds {c.pool_pages} pages per layer; "
-                                 f"these sequences need {need}: nothing was written")
+        while need > self.num_free and self.prefix.eviction_order():
+            self.prefix.evict(1)  # `_drop_pages` frees them
+        if need > self.num_free:
+            raise CacheFullError(f"the cold KV pool holds {self.cache_cfg.pool_pages} pages per "
+                                 f"layer, {self.num_free} free; {need} more are needed: "
+                                 "nothing was written")
+
+    def _cold(self, n) -> int:
+        return int(st.num_cold_pages(self.cache_cfg, n)) if n else 0
+
+    def _drop_pages(self, pages: list):
+        """The prefix index evicted entries: drop its references to their pages."""
+        self.caches = _page_refs(self.cache_cfg, self.caches, self._per_layer(pages), False)
+        self.num_free = int(jnp.min(self.caches.num_free))
+        self.evicted_pages += len(pages) // self.model.cfg.num_layers
+
+    def _per_layer(self, pages) -> jax.Array:
+        """Global page ids (layer * pool_pages + page) -> [L, n] pages, -1 padded to a
+        power of two (a few program shapes)."""
+        p, layers = self.cache_cfg.pool_pages, self.model.cfg.num_layers
+        by = [[] for _ in range(layers)]
+        for g in sorted(pages):
+            by[g // p].append(g % p)
+        out = np.full((layers, 1 << (max(1, *map(len, by)) - 1).bit_length()), -1, np.int32)
+        for layer, row in enumerate(by):
+            out[layer, :len(row)] = row
+        return jnp.asarray(out)
+
+    def hold_prefix(self, slot: int, ids, count: bool = False) -> int:
+        """Reference, for `slot`'s coming prefill of prompt `ids`, the cold pages of
+        the longest indexed prefix of `ids` (they cannot be evicted until the
+        prefill or `release`); returns how many pages per layer it will share.
+        The prefill holds again itself: a hold taken early (at admission) only
+        makes sure those pages stay. The index's hit / miss counts move only with
+        `count` (the prefill's own hold), once per prompt."""
+        slot = self._check_slot(slot)
+        if self.prefix is None:
+            return 0
+        ids = self._check_prompt(ids)
+        c = self.cache_cfg
+        stats = dict(self.prefix.stats)
+        n, pages = self.prefix.match(ids)
+        if not count:
+            self.prefix.stats.update(stats)
+        m = min(n, c.sink_pages + self._cold(len(ids)))
+        hashes = self.prefix.hashes(ids)[:m]
+        with self.prefix.writer():
+            self.prefix.acquire(hashes)
+            old = self._holds.pop(slot, None)
+            if old:
+                self.prefix.release(old[0])
+        self._holds[slot] = (hashes, pages[:m])
+        return sum(1 for pg in pages[c.sink_pages:m] if pg)
+
+    def _shared(self, slot: int, t: int) -> jax.Array:
+        """[L, t / page] pool pages `slot`'s hold shares (-1: the prompt stores its own)."""
+        layers, p = self.model.cfg.num_layers, self.cache_cfg.pool_pages
+        out = np.full((layers, t // self.cache_cfg.page_size), -1, np.int32)
+        for i, pg in enumerate(self._holds.get(slot, ((), ()))[1]):
+            if pg and i >= self.cache_cfg.sink_pages:
+                out[:, i] = [g - layer * p for layer, g in enumerate(pg)]
+        return jnp.asarray(out)
+
+    def _begin_fill(self, slot: int, ids, n: int, count: bool = True) -> int:
+        """Before a prefill of n tokens into `slot` (emptied): hold the prompt's
+        indexed prefix (with `ids`; without, no page is shared) and make room;
+        the new pages it will take."""
+        if self.cache_cfg is None:
+            return 0
+        need = self._cold(n)
+        if ids is not None:
+            need -= self.hold_prefix(slot, ids, count)
+        else:
+            self.drop_hold(slot)
+        self._make_room(need)
+        return need
+
+    def _end_fill(self, slot: int, ids, need: int):
+        """After a prefill: count its pages, index its full cold pages (with `ids`;
+        never a poisoned sequence's) and let its hold go (the index references
+        now cover the shared pages)."""
+        if self.cache_cfg is None:
+            return
+        self.num_free -= need
+        hold = self._holds.pop(slot, None)
+        if ids is not None and not bool(jnp.any(self.caches.poisoned[:, slot])):
+            self._index(slot, ids)
+        if hold:
+            with self.prefix.writer():
+                self.prefix.release(hold[0])
+
+    def _index(self, slot: int, ids):
+        c, layers = self.cache_cfg, self.model.cfg.num_layers
+        full = len(ids) // c.page_size
+        rows = np.asarray(self.caches.page_table[:, slot, :full])  # [L, full]
+        base = np.arange(layers)[:, None] * c.pool_pages
+        pages = [tuple(int(x) for x in rows[:, i] + base[:, 0]) if rows[:, i].min() >= 0
+                 else () for i in range(full)]
+        before = self.prefix.live_pages()
+        with self.prefix.writer():
+            hashes = self.prefix.insert(ids[:full * c.page_size], pages)
+            self.prefix.acquire(hashes)
+        self._refs[slot] = hashes
+        new = self.prefix.live_pages() - before
+        if new:  # the index's own reference: the pages outlive the sequence
+            self.caches = _page_refs(c, self.caches, self._per_layer(new), True)
+
+    def pin(self, slot: int, context_id: str):
+        """Keep `slot`'s prompt pages indexed under `context_id` after its sequence
+        ends (a prewarmed document), until `unpin`."""
+        slot = self._check_slot(slot)
+        hashes = self._refs.get(slot)
+        if self.prefix is None or not hashes:
+            return
+        self.unpin(context_id)  # pinned again: the new prompt's pages
+        entries = [self.prefix.entries[h] for h in hashes]
+        with self.prefix.writer():
+            self.prefix.prewarm(context_id, [t for e in entries for t in e.tokens],
+                                [e.pages for e in entries])
+
+    def unpin(self, context_id: str):
+        """Let a pinned document's pages go (evicted when unused and the pool is short)."""
+        if self.prefix is not None and context_id in self.prefix.contexts:
+            self.prefix.unpin(context_id)
+
+    def pool_available(self) -> int:
+        """Cold pool pages (per layer) free or held only by the prefix index's
+        unused, unpinned entries (evicted on demand)."""
+        if self.prefix is None:
+            return 0
+        return self.num_free + self.cached_pages()
+
+    def cached_pages(self) -> int:
+        """Pool pages (per layer) that only unused, unpinned prefix entries hold."""
+        if self.prefix is None:
+            return 0
+        return sum(1 for e in self.prefix.entries.values()
+                   if e.pages and not e.refcount and not e.pinned)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix index's counts of prompt pages looked up (hits, misses,
+        collisions), and of cold pool pages per layer: evicted, held pinned, held
+        cached (unused)."""
+        if self.prefix is None:
+            return {}
+        pinned = sum(1 for e in self.prefix.entries.values() if e.pages and e.pinned)
+        return {**self.prefix.stats, "evictions": self.evicted_pages, "pinned_pages": pinned,
+                "cached_pages": self.cached_pages()}
 
     def prefill(self, slot: int, ids, sampling: SamplingParams = GREEDY) -> int:
         """Empty `slot` and fill it with prompt `ids`; returns the first generated
@@ -285,13 +458,16 @@ class Engine:
         slot = self._check_slot(slot)
         ids = self._check_prompt(ids)
         n = ids.shape[0]
-        self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
+        self._empty(slot)
+        need = self._begin_fill(slot, ids, n)
         self.sampling[slot] = sampling
         padded = np.zeros(prefill_length(n), np.int32)
         padded[:n] = ids
+        shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
         tok, self.logits, self.caches = _prefill(
             self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            tuple(a[0] for a in self._samp([slot])), **self._static())
+            shared, tuple(a[0] for a in self._samp([slot])), **self._static())
+        self._end_fill(slot, ids, need)
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
         return int(tok)
@@ -334,8 +510,8 @@ class Engine:
             return self.prefill(slot, ids, sampling)
         start = check_int("start", start, minimum=0, maximum=n - 1)
         if start == 0:
-            self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
-            self.release(slot)
+            self._empty(slot)
+            self._begin_fill(slot, ids, n, count=False)  # fails early if the pool is short
             self._stage_slot, self._staged = slot, 0
         elif (self._stage_slot, self._staged) != (slot, start):
             raise ValueError(f"prefill_chunk(slot={slot}, start={start}): the staged prompt "
@@ -352,15 +528,17 @@ class Engine:
         self._staged = start + len(real)
         if self._staged < n:
             return None
-        # decode steps between the blocks may have taken pages: check again
-        self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
+        # decode steps between the blocks may have taken pages (and other prompts
+        # indexed theirs): hold and check again
+        need = self._begin_fill(slot, ids, n)
         k, v = self._stage
         if self.cache_cfg is None:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
         else:
             t = prefill_length(n)
             self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), k[:, :t],
-                                      v[:, :t], jnp.int32(n))
+                                      v[:, :t], jnp.int32(n), self._shared(slot, t))
+        self._end_fill(slot, ids, need)
         self._stage_slot = None
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
@@ -397,7 +575,7 @@ class Engine:
                              f"{PREFILL_CHUNK}, got {tuple(k.shape)}, {tuple(v.shape)}")
         if n >= self.max_context:
             raise ValueError(f"stage_kv: {n} tokens do not fit max_context={self.max_context}")
-        self.release(slot)
+        self._empty(slot)
         self._make_stage()
         self._stage = _write_stage(self._stage, k, v)
         self._stage_slot, self._staged = slot, n
@@ -412,11 +590,12 @@ class Engine:
         return tuple(c[:, slot, :, :n].transpose(0, 2, 1, 3) for c in self.caches)
 
     def prefill_kv(self, slot: int, k, v, next_token: int,
-                   sampling: SamplingParams = GREEDY):
+                   sampling: SamplingParams = GREEDY, ids=None):
         """Fill `slot` with a prompt whose K/V [L, n, Hkv, D] were computed elsewhere
         (an exact prefill's: `kv`, `staged_kv`); `next_token` is the token that
         prefill sampled, the next decode step's input. Equal to `prefill` on the
-        same prompt, without running the model."""
+        same prompt, without running the model. With the prompt's n token `ids`,
+        its cold pages are shared and indexed as `prefill`'s."""
         slot = self._check_slot(slot)
         mc = self.model.cfg
         want = (mc.num_layers, None, mc.num_kv_heads, mc.head_dim)
@@ -431,7 +610,12 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens does not fit max_context={self.max_context}")
         next_token = check_int("next_token", next_token, minimum=0,
                                maximum=mc.vocab_size - 1)
-        self._check_pool(np.where(np.arange(self.max_seqs) == slot, n, self.lens))
+        if ids is not None:
+            ids = self._check_prompt(ids)
+            if len(ids) != n:
+                raise ValueError(f"ids: {len(ids)} token ids for K/V of {n} tokens")
+        self._empty(slot)
+        need = self._begin_fill(slot, ids, n)
         pad = prefill_length(n) - n
         pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
                                                                    (0, 0)))
@@ -439,7 +623,8 @@ class Engine:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), pad_to(k), pad_to(v))
         else:
             self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), pad_to(k),
-                                      pad_to(v), jnp.int32(n))
+                                      pad_to(v), jnp.int32(n), self._shared(slot, n + pad))
+        self._end_fill(slot, ids, need)
         self.sampling[slot] = sampling
         self.lens[slot] = n
         self.tokens[slot] = next_token
@@ -464,31 +649,58 @@ class Engine:
         if np.any(full):
             raise ValueError(f"slots {np.flatnonzero(full).tolist()} are full: "
                              f"max_context={self.max_context} tokens")
-        self._check_pool(self.lens + active)
+        need = 0
+        if self.cache_cfg is not None:
+            before = self.lens.astype(np.int64)
+            need = int(np.sum((st.num_cold_pages(self.cache_cfg, before + active)
+                               - st.num_cold_pages(self.cache_cfg, before)) * (before > 0)))
+            self._make_room(need)
         nxt, self.logits, self.caches = _decode(
             self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
             jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static())
         nxt = np.asarray(nxt)
         self.tokens = np.where(active, nxt, self.tokens).astype(np.int32)
         self.lens = self.lens + active
+        self.num_free -= need
         return self.tokens.copy()
 
     def release(self, slot: int):
-        """Empty `slot` (a HiSparse cache frees its cold pages)."""
+        """Empty `slot`: a HiSparse cache frees its cold pages but those the prefix
+        index holds (and lets go of the slot's hold)."""
         slot = self._check_slot(slot)
+        self._empty(slot)
+        self.drop_hold(slot)
+
+    def drop_hold(self, slot: int):
+        """Let go of `hold_prefix`'s references for `slot` (host only)."""
+        hold = self._holds.pop(slot, None)
+        if hold:
+            with self.prefix.writer():
+                self.prefix.release(hold[0])
+
+    def _empty(self, slot: int):
+        """`release`, keeping the slot's hold (for the prefill about to fill it)."""
         if self.cache_cfg is not None:
             self.caches = _release(self.cache_cfg, self.caches, jnp.int32(slot))
+            refs = self._refs.pop(slot, None)
+            if refs:
+                with self.prefix.writer():
+                    self.prefix.release(refs)
+            self.num_free = int(jnp.min(self.caches.num_free))  # shared pages: data dependent
         self.lens[slot] = 0
         if self._stage_slot == slot:  # a chunked prefill abandoned
             self._stage_slot = None
 
     def pool_usage(self) -> tuple[int, int]:
         """(cold pool pages in use, pool pages), summed over the layers, read from
-        the live pool (a device read); (0, 0) for a dense engine."""
+        the live pool (a device read); pages only the prefix index's unused,
+        unpinned entries hold count as free (`cached_pages`). (0, 0) for a dense
+        engine."""
         if self.cache_cfg is None:
             return 0, 0
-        total = self.cache_cfg.pool_pages * self.model.cfg.num_layers
-        return total - int(jnp.sum(self.caches.num_free)), total
+        layers = self.model.cfg.num_layers
+        total = self.cache_cfg.pool_pages * layers
+        return total - int(jnp.sum(self.caches.num_free)) - self.cached_pages() * layers, total
 
     def tier_tokens(self) -> dict[str, int]:
         """Tokens per tier (sink, hot, warm, cold) over the slots, from the lengths
@@ -525,8 +737,9 @@ class Engine:
         t = time.perf_counter()
         n = prefill_length(min(prompt_len, self.max_context - 1))
         samp = tuple(a[0] for a in self._samp([0]))
+        shared = None if self.cache_cfg is None else self._shared(-1, n)
         _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
-                       jnp.int32(1), samp, **self._static()).compile()
+                       jnp.int32(1), shared, samp, **self._static()).compile()
         if n > PREFILL_CHUNK:
             self._make_stage()
             _prefill_chunk.lower(self.params, self._stage, jnp.zeros(PREFILL_CHUNK, jnp.int32),
@@ -538,7 +751,7 @@ class Engine:
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
-                                  jnp.int32(1)).compile()
+                                  jnp.int32(1), self._shared(-1, n)).compile()
         _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
                       jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
                       self._samp(range(self.max_seqs)), **self._static()).compile()

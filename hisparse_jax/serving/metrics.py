@@ -43,9 +43,17 @@ class Metrics:
                                 "cold page pool in use, read from the live pool (0 for "
                                 "dense)", M, registry=r),
             "pool_pages": Gauge("hisparse:kv_cold_pool_pages", "Cold pool pages summed over "
-                                "the layers: used (read from the live pool), reserved by "
-                                "the running requests (prompt + max_tokens each) and total",
+                                "the layers: used (read from the live pool; pages only "
+                                "unused prefix entries hold count as free), reserved (what "
+                                "the running requests may still take, up to prompt + "
+                                "max_tokens each), pinned (prewarmed documents), cached "
+                                "(unused prefix entries, evicted on demand) and total",
                                 [*M, "state"], registry=r),
+            "prefix_pages": Counter("hisparse:prefix_index_pages", "Prompt pages looked up "
+                                    "in the prefix index of cold pages (per layer): hit "
+                                    "(an equal, verified page: shared where cold), miss, "
+                                    "collision (a hash held by other tokens: never shared) "
+                                    "and eviction", [*M, "result"], registry=r),
             "prompt_tokens": Counter("hisparse:prompt_tokens", "Prefilled prompt tokens", M,
                                      registry=r),
             "generation_tokens": Counter("hisparse:generation_tokens", "Generated tokens", M,
@@ -85,11 +93,13 @@ class Metrics:
         """One model's series: attributes named as `families`' keys; `success` keeps
         its finished_reason label (`.labels(finished_reason=...)`)."""
         out = {k: f.labels(model_name=model_name) for k, f in self.families.items()
-               if k not in ("success", "tier_tokens", "pool_pages")}
+               if k not in ("success", "tier_tokens", "pool_pages", "prefix_pages")}
         success, tiers = self.families["success"], self.families["tier_tokens"]
-        pool = self.families["pool_pages"]
+        pool, prefix = self.families["pool_pages"], self.families["prefix_pages"]
         out["pool_pages"] = types.SimpleNamespace(
             labels=lambda state: pool.labels(model_name=model_name, state=state))
+        out["prefix_pages"] = types.SimpleNamespace(
+            labels=lambda result: prefix.labels(model_name=model_name, result=result))
         out["success"] = types.SimpleNamespace(
             labels=lambda finished_reason: success.labels(model_name=model_name,
                                                           finished_reason=finished_reason))

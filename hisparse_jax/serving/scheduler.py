@@ -17,12 +17,14 @@ Pages. A HiSparse sequence takes cold pages from the engine's shared pool as it
 grows, and the pool's raw operations trust the caller to leave room (an empty
 free stack would hand out a page another sequence holds). So admission reserves
 each request's whole need up front: the cold pages of prompt + max_tokens tokens
-(`pages_needed`). The head of the queue waits (FIFO, nothing overtakes it) until
-the running requests' reservations leave room for it; a request that needs more
-than the whole pool is refused at `submit` (`TooLarge`, a 400). A running
-sequence therefore never finds the pool empty, and none is evicted or
-overwritten to make room. With the default pool (every slot's full context)
-the reservation never binds.
+(`pages_needed`), less those of an indexed equal prefix it will share (held from
+admission on, `Engine.hold_prefix`). The head of the queue waits (FIFO, nothing
+overtakes it) until the pool's available pages (free, or held only by unused
+prefix entries, which are evicted on demand) cover what the running requests
+may still take plus its own need; a request that needs more than the whole pool
+is refused at `submit` (`TooLarge`, a 400). A running sequence therefore never
+finds the pool empty, and none is evicted or overwritten to make room. With the
+default pool (every slot's full context) the reservation never binds.
 
 Non-finite values. After every prefill and decode step the sequences whose
 logits are not all finite, or whose cache took a NaN/inf K or V (`poisoned`), are
@@ -32,9 +34,13 @@ sequences of the batch are untouched (their rows of the step are computed
 independently; tests/test_serving_engine.py and tests/test_serving_api.py show
 them bit-equal to the same requests served alone).
 
-A prewarm request (`Request.prewarm`) is prefilled like any other; then its
-prompt's whole-block K/V are pinned (`Prefix`) and its slot freed. A later prompt
-that starts with a pinned prompt's ids resumes its prefill after them.
+Prefixes. Every prompt's full cold pages are indexed by the engine, so a
+prompt that starts like a running one (or a recent one) shares its cold pages
+instead of storing them again. A prewarm request (`Request.prewarm`) is
+prefilled like any other; then its pages are pinned in the index and its
+prompt's whole-block bf16 K/V kept (`Prefix`), and its slot freed. A later prompt
+that starts with a pinned prompt's ids resumes its prefill after them (the K/V)
+and references its cold pages (the index).
 """
 
 from __future__ import annotations
@@ -135,7 +141,7 @@ class _Seq:
     decoding: bool = False  # prefill done
     generated: int = 0
     last: float = 0.0       # when its last token came
-    pages: int = 0          # cold pool pages reserved for it (per layer)
+    shared: int = 0         # cold pool pages (per layer) of an indexed prefix it shares
 
 
 class Scheduler:
@@ -152,6 +158,8 @@ class Scheduler:
         self.admitting = True
         self.stopped = False
         self.prefixes: dict[str, Prefix] = {}  # context id -> pinned K/V
+        self._unpinned: list[str] = []  # contexts whose pages the engine thread lets go
+        self._index_stats: dict[str, int] = {}  # the engine's prefix counts, last reported
         self.busy_s = 0.0  # time spent in steps that had work (for the cost figure)
         self.generated = 0
         cfg = engine.cache_cfg
@@ -168,8 +176,18 @@ class Scheduler:
         return int(st.num_cold_pages(cfg, n))
 
     def reserved(self) -> int:
-        """Cold pool pages (per layer) reserved by the requests in slots."""
-        return sum(s.pages for s in self.slots if s is not None)
+        """Cold pool pages (per layer) the requests in slots may still take: a
+        decoding one up to prompt + max_tokens from its length, one still in its
+        prefill all its pages but those it shares."""
+        cfg, eng = self.engine.cache_cfg, self.engine
+        if cfg is None:
+            return 0
+        out = 0
+        for slot, s in enumerate(self.slots):
+            if s is not None:
+                took = int(st.num_cold_pages(cfg, eng.lens[slot])) if s.decoding else s.shared
+                out += self.pages_needed(s.req) - took
+        return out
 
     # ------------------------------------------------------------ any thread
 
@@ -200,7 +218,11 @@ class Scheduler:
 
     def unpin(self, context_id: str) -> bool:
         with self.cond:
-            return self.prefixes.pop(context_id, None) is not None
+            if self.prefixes.pop(context_id, None) is None:
+                return False
+            self._unpinned.append(context_id)  # the engine thread lets its pages go
+            self.cond.notify()
+            return True
 
     def running(self) -> int:
         return sum(s is not None for s in self.slots)
@@ -255,16 +277,22 @@ class Scheduler:
             for slot, seq in enumerate(self.slots):
                 if seq is not None and seq.req.cancelled:
                     self._finish(slot, "abort")
+            for cid in self._unpinned:
+                eng.unpin(cid)
+            self._unpinned.clear()
             reserved = self.reserved()
             for slot in range(eng.max_seqs):
                 if self.slots[slot] is None and self.waiting:
-                    need = self.pages_needed(self.waiting[0])
-                    if reserved + need > self.pool_pages and eng.cache_cfg is not None:
+                    r = self.waiting[0]
+                    shared = eng.hold_prefix(slot, r.ids)
+                    need = self.pages_needed(r) - shared
+                    if eng.cache_cfg is not None and reserved + need > eng.pool_available():
+                        eng.drop_hold(slot)
                         break  # the head waits for pages; FIFO: nothing overtakes it
-                    r = self.waiting.popleft()
+                    self.waiting.popleft()
                     reserved += need
                     self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos),
-                                            pages=need)
+                                            shared=shared)
                     self.prefilling.append(slot)
             self._gauges()
         spent = 0
@@ -343,6 +371,13 @@ class Scheduler:
         layers = eng.model.cfg.num_layers
         m.pool_pages.labels(state="used").set(used)
         m.pool_pages.labels(state="total").set(total)
+        stats = eng.prefix_stats()
+        m.pool_pages.labels(state="pinned").set(stats["pinned_pages"] * layers)
+        m.pool_pages.labels(state="cached").set(stats["cached_pages"] * layers)
+        for key, result in (("hits", "hit"), ("misses", "miss"), ("collisions", "collision"),
+                            ("evictions", "eviction")):
+            m.prefix_pages.labels(result=result).inc(stats[key] - self._index_stats.get(key, 0))
+        self._index_stats = stats
         with self.cond:
             m.pool_pages.labels(state="reserved").set(self.reserved() * layers)
         for tier, n in eng.tier_tokens().items():
@@ -373,6 +408,7 @@ class Scheduler:
         with self.cond:
             if n and (seq.req.prewarm in self.prefixes or len(self.prefixes) < MAX_PREFIXES):
                 self.prefixes[seq.req.prewarm] = Prefix(tuple(ids), n, *self.engine.staged_kv(n))
+                self.engine.pin(slot, seq.req.prewarm)  # its cold pages outlive the slot
                 reason = "stop"
             else:
                 reason = "error"
