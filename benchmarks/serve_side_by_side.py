@@ -169,14 +169,16 @@ def main():
     p.add_argument("--input-len", default="1024")
     p.add_argument("--output-len", default="64")
     p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--c1-prompts", type=int, default=None,
+                   help="requests at concurrency 1 (default: half of --num-prompts, >= 2)")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--out", default="benchmarks/results/serve_side_by_side.jsonl")
     p.add_argument("--log-dir", default=tempfile.gettempdir(),
                    help="each server's output goes to LOG_DIR/serve_NAME.log")
     a = p.parse_args()
     # The recorded command names no path of this machine: the llama.cpp venv is
-    # LLAMACPP_VENV, as in docs/serving.md, the vLLM venv VLLM_VENV and the export
-    # VLLM_MODEL_DIR.
+    # LLAMACPP_VENV, as in docs/serving.md, the vLLM venv VLLM_VENV, the export
+    # VLLM_MODEL_DIR and the log folder LOG_DIR.
     def venv(py, name):  # VENV/bin/python -> NAME/bin/python
         root = os.path.dirname(os.path.dirname(py))
         return py.replace(root, name, 1) if root else py
@@ -187,6 +189,8 @@ def main():
         names[a.vllm_python] = venv(a.vllm_python, "VLLM_VENV")
     if a.vllm_model_dir:
         names[a.vllm_model_dir] = "VLLM_MODEL_DIR"
+    if "--log-dir" in sys.argv or any(x.startswith("--log-dir=") for x in sys.argv):
+        names[a.log_dir] = "LOG_DIR"
     argv = [names.get(x, x) for x in sys.argv]
     for given, name in names.items():  # the --opt=VALUE spelling
         argv = [x.split("=", 1)[0] + "=" + name if x.startswith("--") and
@@ -231,13 +235,14 @@ def main():
             proc = start(cmd, log=log_path(name))
         try:
             wait_up(url, proc)
-            for c in conc:
+            for i, c in enumerate(conc):
                 hisparse = os.path.join(os.path.dirname(sys.executable), "hisparse")
+                n = a.num_prompts if c > 1 else a.c1_prompts or max(2, a.num_prompts // 2)
                 bench = [hisparse, "bench", "serve",
                          "--base-url", url, "--input-len", a.input_len, "--output-len",
-                         a.output_len, "--num-prompts", str(a.num_prompts if c > 1
-                                                            else max(2, a.num_prompts // 2)),
-                         "--max-concurrency", str(c), "--warmup", "1", "--ignore-eos",
+                         a.output_len, "--num-prompts", str(n), "--max-concurrency", str(c),
+                         # one warm-up request per server (its programs compile once)
+                         "--warmup", "1" if i == 0 else "0", "--ignore-eos",
                          "--no-progress", "--json", "-"]
                 r = subprocess.run(bench, capture_output=True, text=True, check=False)
                 if r.returncode:

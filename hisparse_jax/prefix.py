@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import struct
 from collections.abc import Callable, Sequence
@@ -68,6 +69,7 @@ class Entry:
     refcount: int = 0
     pinned: bool = False
     last_use: int = 0
+    children: int = 0       # entries whose parent this is (evicted only after them)
 
 
 class PrefixIndex:
@@ -185,6 +187,8 @@ class PrefixIndex:
                     raise ValueError(f"pool pages {taken} already belong to an indexed prefix")
                 self.entries[h] = Entry(pages=pages, tokens=page_tokens, parent=parent,
                                         last_use=next(self._clock))
+                if parent is not None:
+                    self.entries[parent].children += 1
                 for p in pages:
                     self.owner[p] = h
             done.append(h)
@@ -246,33 +250,37 @@ class PrefixIndex:
 
     def _evictable(self, h: int) -> bool:
         e = self.entries[h]
-        if e.pinned or e.refcount:
-            return False
         # A page is evicted only after its descendants (a child's chain names it).
-        return not any(c.parent == h for c in self.entries.values())
+        return not (e.pinned or e.refcount or e.children)
 
     def eviction_order(self) -> list[int]:
         """Evictable hashes (unpinned, unreferenced, leaves first), oldest use first."""
         return sorted((h for h in self.entries if self._evictable(h)),
                       key=lambda h: self.entries[h].last_use)
 
-    def evict(self, max_entries: int | None = None) -> list[int]:
-        """Evict up to max_entries (None: all that can go); returns the freed pool pages
-        (a bound cache drops its references to them at once)."""
+    def evict(self, max_entries: int | None = None, max_pages: int | None = None) -> list[int]:
+        """Evict up to max_entries (None: all that can go), oldest first, stopping once
+        max_pages pool pages are freed; returns the freed pool pages (a bound cache
+        drops its references to them at once)."""
         if max_entries is not None:
             max_entries = check_int("max_entries", max_entries, minimum=0)
+        if max_pages is not None:
+            max_pages = check_int("max_pages", max_pages, minimum=0)
         freed, n = [], 0
-        while max_entries is None or n < max_entries:
-            order = self.eviction_order()
-            if not order:
-                break
-            h = order[0]
+        heap = [(self.entries[h].last_use, h) for h in self.eviction_order()]
+        while heap and (max_entries is None or n < max_entries) and (
+                max_pages is None or len(freed) < max_pages):
+            _, h = heapq.heappop(heap)
             e = self.entries.pop(h)
             for p in e.pages:
                 del self.owner[p]
             freed.extend(e.pages)
             self.stats["evictions"] += 1
             n += 1
+            if e.parent is not None:  # a leaf gone: its parent may be one now
+                self.entries[e.parent].children -= 1
+                if self._evictable(e.parent):
+                    heapq.heappush(heap, (self.entries[e.parent].last_use, e.parent))
         if freed and self._on_free is not None:
             self._on_free(freed)
         return freed

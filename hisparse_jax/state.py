@@ -126,6 +126,10 @@ def _encoders(implementation, cfg: HiSparseConfig):
 
 # What offload mode stores per cold page (the digest stays on the device).
 OFFLOAD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
+# The fields with a sequence axis (first, or second in a layer-stacked state); the
+# others are the pool's and the free stack's, shared by every sequence.
+SLOT_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale",
+               "page_table", "seq_lens", "last_selected", "poisoned")
 
 
 def _encode_cold(cfg, k_pages, v_pages, implementation):

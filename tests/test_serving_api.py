@@ -229,7 +229,7 @@ def test_prewarm_skips_the_documents_prefill(server, tok):
     # the document's cold pages: pinned once, referenced by both requests (hits)
     assert after['hisparse:kv_cold_pool_pages{state="pinned"}'] > 0
     hit = 'hisparse:prefix_index_pages_total{result="hit"}'
-    assert after[hit] - before[hit] >= 2 * (600 // 16)
+    assert after[hit] - before[hit] >= 2 * 2  # each request: the sink page and >= 1 cold
     assert after['hisparse:kv_cold_pool_pages{state="used"}'] == \
         after['hisparse:kv_cold_pool_pages{state="pinned"}']  # nothing else in use
     r = httpx.delete(server["url"] + "/v1/prewarm/doc1", headers={"Authorization":

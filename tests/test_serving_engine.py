@@ -218,3 +218,23 @@ def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids
     assert sched.unpin("doc")
     sched.step()  # the engine thread lets the document's pages go
     assert eng.prefix_stats()["pinned_pages"] == 0 and eng.pool_usage()[0] == 0
+
+
+@pytest.mark.parametrize("attention", ["hisparse", "dense"])
+def test_a_narrow_decode_step_equals_the_full_one(model, long_ids, attention):
+    """At low concurrency a decode step computes only the slots up to the highest
+    active one, rounded up to a width (4, 8): slot 0's tokens and logits are
+    bit-equal whether it decodes alone (width 4) or beside 7 others (width 8)."""
+    ids = list(long_ids[:600])  # cold pages, a sparse selection
+    alone, full = (Engine(model[0], max_seqs=8, max_context=1024, attention=attention)
+                   for _ in range(2))
+    assert alone.decode_widths() == [4, 8]
+    assert alone.decode_width(np.arange(8) < 3) == 4
+    assert alone.decode_width(np.arange(8) == 4) == 8
+    alone.prefill(0, ids)
+    for b in range(8):
+        full.prefill(b, ids if b == 0 else ids[:300 + 20 * b])
+    for _ in range(5):
+        a = alone.decode_step(np.arange(8) == 0)[0]
+        assert a == full.decode_step()[0]
+        np.testing.assert_array_equal(np.asarray(alone.logits)[0], np.asarray(full.logits)[0])

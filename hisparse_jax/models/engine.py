@@ -48,6 +48,12 @@ from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids
 
 ATTENTIONS = ("hisparse", "dense")
 PREFILL_CHUNK = 512  # causal_prefill_attention's query/key block
+# The narrowest decode program (`Engine.decode_width`). A slot's results must not
+# depend on how many slots run beside it (a request served alone equals it served
+# in a batch): the sparse attention's numbers are the same at 4 and 8 slots, but
+# not at 1 or 2 (XLA:CPU picks other kernels for those batch sizes; up to 0.11 in
+# SmolLM2's logits), while dense attention's are equal at every width.
+MIN_DECODE_WIDTH = 4
 
 
 def prefill_length(n: int) -> int:
@@ -78,11 +84,12 @@ def dense_decode_layer(caches, layer, q, k, v, lens, active):
     """`attention.decode_layer` for the dense cache ([L, B, Hkv, S, D] pair): write
     each active slot's k, v at its length, in place, and attend exactly."""
     kc, vc = caches
-    at = (layer, jnp.arange(q.shape[0]), slice(None),  # indexed as [B, Hkv, D]
+    n = q.shape[0]  # slots 0..n-1
+    at = (layer, jnp.arange(n), slice(None),  # indexed as [n, Hkv, D]
           jnp.where(active, lens, kc.shape[3]))        # inactive slots: dropped
     kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
     vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
-    return dense_attention(q, kc[layer], vc[layer], lens + active), (kc, vc)
+    return dense_attention(q, kc[layer, :n], vc[layer, :n], lens + active), (kc, vc)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -209,12 +216,22 @@ def _stage_to_dense(caches, slot, k, v):
     return put(caches[0], k), put(caches[1], v)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "n"),
                    donate_argnames="caches")
-def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation):
+def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation, n):
     """tokens [B] at positions lens [B] (active [B] slots) -> (next tokens [B],
-    logits [B, V], caches)."""
+    logits [B, V], caches), computing slots 0..n-1 only (the rest must be
+    inactive: their rows come back 0). A HiSparse step copies those slots' own
+    tiers out of the stacked caches and back (the pool stays in place); a dense
+    step reads n slots of each layer's cache."""
     model = nnx.merge(graphdef, params)
+    b = tokens.shape[0]
+    tokens, lens, active = tokens[:n], lens[:n], active[:n]
+    samp = tuple(a[:n] for a in samp)
+    full = caches
+    if hcfg is not None and n < b:
+        hcfg = hcfg.replace(max_seqs=n, num_pool_pages=hcfg.pool_pages)
+        caches = caches.replace(**{f: getattr(caches, f)[:, :n] for f in st.SLOT_FIELDS})
 
     def attend(caches, layer, q, k, v):
         if hcfg is None:
@@ -223,8 +240,13 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
                                 implementation=implementation)
 
     x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
+    if hcfg is not None and n < b:
+        caches = caches.replace(**{f: getattr(full, f).at[:, :n].set(getattr(caches, f))
+                                   for f in st.SLOT_FIELDS})
     logits = model.logits(x)
-    return sample(logits, lens + 1, *samp), logits, caches
+    nxt = sample(logits, lens + 1, *samp)
+    pad = lambda a: jnp.zeros((b, *a.shape[1:]), a.dtype).at[:n].set(a)
+    return pad(nxt), pad(logits), caches
 
 
 # ---------------------------------------------------------------- the engine
@@ -303,8 +325,8 @@ class Engine:
         count on the host decides."""
         if self.cache_cfg is None:
             return
-        while need > self.num_free and self.prefix.eviction_order():
-            self.prefix.evict(1)  # `_drop_pages` frees them
+        if need > self.num_free:  # `_drop_pages` frees what the index lets go
+            self.prefix.evict(max_pages=(need - self.num_free) * self.model.cfg.num_layers)
         if need > self.num_free:
             raise CacheFullError(f"the cold KV pool holds {self.cache_cfg.pool_pages} pages per "
                                  f"layer, {self.num_free} free; {need} more are needed: "
@@ -395,8 +417,12 @@ class Engine:
                 self.prefix.release(hold[0])
 
     def _index(self, slot: int, ids):
+        """Index the prompt's sink and cold pages (only cold pages are shared; the
+        window's pages are the sequence's own), bounding the index's size."""
         c, layers = self.cache_cfg, self.model.cfg.num_layers
-        full = len(ids) // c.page_size
+        full = min(len(ids) // c.page_size, c.sink_pages + self._cold(len(ids)))
+        if full <= c.sink_pages:
+            return  # no cold page: nothing to share
         rows = np.asarray(self.caches.page_table[:, slot, :full])  # [L, full]
         base = np.arange(layers)[:, None] * c.pool_pages
         pages = [tuple(int(x) for x in rows[:, i] + base[:, 0]) if rows[:, i].min() >= 0
@@ -409,6 +435,8 @@ class Engine:
         new = self.prefix.live_pages() - before
         if new:  # the index's own reference: the pages outlive the sequence
             self.caches = _page_refs(c, self.caches, self._per_layer(new), True)
+        if len(self.prefix) > 2 * c.pool_pages + 1024:  # pages plus each chain's sink root
+            self.prefix.evict(len(self.prefix) - 2 * c.pool_pages - 1024)
 
     def pin(self, slot: int, context_id: str):
         """Keep `slot`'s prompt pages indexed under `context_id` after its sequence
@@ -657,12 +685,30 @@ class Engine:
             self._make_room(need)
         nxt, self.logits, self.caches = _decode(
             self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
-            jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static())
+            jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static(),
+            n=self.decode_width(active))
         nxt = np.asarray(nxt)
         self.tokens = np.where(active, nxt, self.tokens).astype(np.int32)
         self.lens = self.lens + active
         self.num_free -= need
         return self.tokens.copy()
+
+    def decode_widths(self) -> list[int]:
+        """The slot counts a decode program is compiled for: 4, 8, 16, ... up to
+        max_seqs (one program each; see `decode_width`)."""
+        out, w = [], MIN_DECODE_WIDTH
+        while w < self.max_seqs:
+            out.append(w)
+            w *= 2
+        return out + [self.max_seqs]
+
+    def decode_width(self, active: np.ndarray) -> int:
+        """How many slots a decode step computes: the narrowest width that covers
+        the highest active slot (the scheduler fills the lowest free slot, so at
+        low concurrency a step costs what a few slots need, not what max_seqs
+        does)."""
+        top = int(np.flatnonzero(active).max()) + 1 if np.any(active) else 1
+        return next(w for w in self.decode_widths() if w >= top)
 
     def release(self, slot: int):
         """Empty `slot`: a HiSparse cache frees its cold pages but those the prefix
@@ -752,7 +798,8 @@ class Engine:
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
                                   jnp.int32(1), self._shared(-1, n)).compile()
-        _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
-                      jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
-                      self._samp(range(self.max_seqs)), **self._static()).compile()
+        for n in self.decode_widths():
+            _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
+                          jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
+                          self._samp(range(self.max_seqs)), **self._static(), n=n).compile()
         return time.perf_counter() - t
