@@ -73,7 +73,9 @@ def run_passkey(model, tok, args, out):
         cfgs["sink+window"] = SINK_WINDOW
         engines = {n: Engine(model, max_context=context, **kw) for n, kw in cfgs.items()}
         hits = dict.fromkeys(cfgs, 0)
-        bar = tqdm(list(zip(depths, keys)), desc=f"passkey {length}", file=sys.stderr)
+        # --skip: resume a run (the same seeded depths and keys, the first ones done)
+        bar = tqdm(list(zip(depths, keys))[args.skip:], desc=f"passkey {length}",
+                   file=sys.stderr)
         for depth, key in bar:
             ids = passkey_ids(tok, length, float(depth), int(key))
             dense = engines["dense"]
@@ -96,7 +98,7 @@ def run_passkey(model, tok, args, out):
             del kv
             print(json.dumps(row), file=out, flush=True)
             bar.set_postfix({n: h for n, h in hits.items()})
-        summary[length] = {n: f"{h}/{args.examples}" for n, h in hits.items()}
+        summary[length] = {n: f"{h}/{args.examples - args.skip}" for n, h in hits.items()}
         del engines
     return summary
 
@@ -241,6 +243,8 @@ def main(argv=None):
     p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
                    help="e.g. llama3:4 or linear:2 (trained length: the model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="passkey: leave out each length's first N examples (resume a run)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
     model, tok = load(args.model, rope_scaling=args.rope_scaling)
