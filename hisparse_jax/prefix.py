@@ -126,30 +126,34 @@ class PrefixIndex:
     def hashes(self, tokens) -> list[int]:
         return page_hashes(tokens, self.page_size, self.hash_fn)
 
-    def _verify(self, h: int, page_tokens: tuple, parent: int | None) -> Entry | None:
+    def _verify(self, h: int, page_tokens: tuple, parent: int | None,
+                stats: dict | None = None) -> Entry | None:
         """The entry at h if it holds these tokens after this (verified) parent; a
-        different holder is a collision (counted, None returned)."""
+        different holder is a collision (counted in `stats`, default the index's;
+        None returned)."""
         e = self.entries.get(h)
         if e is None:
             return None
         if e.tokens != page_tokens or e.parent != parent:
-            self.stats["collisions"] += 1
+            (self.stats if stats is None else stats)["collisions"] += 1
             return None
         return e
 
-    def match(self, tokens) -> tuple[int, list[tuple]]:
+    def match(self, tokens, count: bool = True) -> tuple[int, list[tuple]]:
         """Longest reusable prefix: (number of full pages n, pool pages of each).
         Every hit is verified against the token ids; a mismatch is a collision and
-        ends the match (the page is never reused)."""
+        ends the match (the page is never reused). Without `count` the lookup
+        leaves the hit / miss / collision counts alone (a look ahead)."""
+        stats = self.stats if count else dict(self.stats)
         t = tuple(int(x) for x in check_token_ids("tokens", tokens))
         pg = self.page_size
         pages, parent = [], None
         for i, h in enumerate(self.hashes(t)):
-            e = self._verify(h, t[i * pg:(i + 1) * pg], parent)
+            e = self._verify(h, t[i * pg:(i + 1) * pg], parent, stats)
             if e is None:
-                self.stats["misses"] += 1
+                stats["misses"] += 1
                 break
-            self.stats["hits"] += 1
+            stats["hits"] += 1
             e.last_use = next(self._clock)
             pages.append(e.pages)
             parent = h

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
+from hisparse_jax import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.generate import stop_ids
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
@@ -184,7 +185,6 @@ def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids
     once: each references the pinned document's cold pages and stores only its
     own tail; both answers equal the prompt served alone. After DELETE and their
     end, the document's pages are only cached (free on demand)."""
-    from hisparse_jax import state as st
     m, tok = model
     doc = [int(x) for x in long_ids]
     qs = [doc + tok.encode(q) for q in (" What is green?", " And which colour is the sky?")]

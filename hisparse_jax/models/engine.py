@@ -365,10 +365,7 @@ class Engine:
             return 0
         ids = self._check_prompt(ids)
         c = self.cache_cfg
-        stats = dict(self.prefix.stats)
-        n, pages = self.prefix.match(ids)
-        if not count:
-            self.prefix.stats.update(stats)
+        n, pages = self.prefix.match(ids, count)
         m = min(n, c.sink_pages + self._cold(len(ids)))
         hashes = self.prefix.hashes(ids)[:m]
         with self.prefix.writer():
