@@ -142,6 +142,170 @@ def _move_slots(ws, src):
     return {f: one(x) for f, x in ws.items()}
 
 
+class ColdStore:
+    """One cache layer's cold pool in host memory, with what offload mode keeps on
+    the device for it: a working set of W cold pages per (sequence, KV head), the
+    scheduler that fills it, and the sample buffer. `attend` selects from the
+    digests, copies exactly the pages the plan fetches and attends.
+
+    `OffloadedCache` is one of these behind a `HiSparseCache`; the serving engine
+    keeps one per layer of its layer-stacked state (`models.engine`). The caller
+    owns the device state (passed in, returned updated) and writes new cold pages
+    here (`store`).
+    """
+
+    def __init__(self, cfg: HiSparseConfig, host: dict, device, working_set: int,
+                 policy: scheduler.Policy | None = None):
+        """host {HOST_FIELDS: [Hkv, P, ...]}: the pool's codes, any memory (moved to
+        `device`'s host memory kind); working_set: W, checked by the caller."""
+        self.memory_kind = host_memory_kind(device)
+        self._host = SingleDeviceSharding(device, memory_kind=self.memory_kind)
+        self._device = SingleDeviceSharding(device, memory_kind="device")
+        self.host = {f: jax.device_put(host[f], self._host) for f in HOST_FIELDS}
+        b, w = cfg.max_seqs, working_set
+        self.working_set = w
+        self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
+                                self.host[f].dtype) for f in HOST_FIELDS}
+        # Sampled pages (`attention.sample_tail`) that were not resident when drawn,
+        # outside the scheduler's working set; `sample_held` names each slot's page,
+        # so a page drawn again is not copied again.
+        self.sample_ws = {f: jnp.zeros((cfg.num_kv_heads, b * cfg.sample_pages)
+                                       + self.host[f].shape[2:], self.host[f].dtype)
+                          for f in HOST_FIELDS}
+        self.sample_held = jnp.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, jnp.int32)
+        self.sample_pages_copied = 0
+        # The last step's candidate pages [B, Hkv, C] (logical, -1 = none): what the
+        # layer above should `prefetch`. None before the first `attend`.
+        self.candidates = None
+        self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
+        self.host_to_device_bytes = 0
+
+    @classmethod
+    def empty(cls, cfg: HiSparseConfig, device, working_set: int,
+              policy: scheduler.Policy | None = None) -> ColdStore:
+        """An empty pool made in host memory (never on the device)."""
+        shapes = jax.eval_shape(lambda: st.init_state(cfg))
+        host = SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
+        return cls(cfg, {f: jnp.zeros(getattr(shapes, f).shape, getattr(shapes, f).dtype,
+                                      device=host) for f in HOST_FIELDS},
+                   device, working_set, policy)
+
+    def store(self, pool_ids, cold):
+        """New cold pages: pool_ids [n] (>= pool size: none), cold {field: [n, Hkv,
+        page, ...]} -> the host pool."""
+        for f in HOST_FIELDS:
+            self.host[f] = _store_pages(self._host, self.host[f], pool_ids, cold[f])
+
+    def forget(self, seq):
+        """Sequence `seq` is empty: none of its pages may stay resident."""
+        self.sched = scheduler.forget_sequence(self.sched, seq)
+        self.sample_held = self.sample_held.at[seq].set(-1)
+
+    def device_bytes(self) -> int:
+        """The working set, sample buffer and scheduler state."""
+        return (layout.nbytes(self.ws) + layout.nbytes(self.sample_ws)
+                + layout.nbytes(self.sched))
+
+    def resize(self, working_set: int):
+        """Another working set size (memory pressure); the resident pages that fit stay."""
+        if working_set != self.working_set:
+            self.sched, src = scheduler.resize(self.sched, working_set)
+            self.ws = _move_slots(self.ws, src)
+            self.working_set = working_set
+
+    def attend(self, cfg: HiSparseConfig, state, q, implementation=None):
+        """Decode attention for q [B, Hq, D] over `state` (its cold codes here):
+        -> (out [B, Hq, D], candidates [B, Hkv, C], kept (`attend_cold_slots`),
+        the state with the candidates remembered)."""
+        sel = select(cfg, state, q, implementation=implementation)
+        logical = sel.pages  # the candidates: the re-rank reads their keys
+        plan = scheduler.plan(self.sched, logical)
+        self._copy_in(np.asarray(pool_pages(state.page_table, plan.fetch)))
+        self.sched = scheduler.apply(self.sched, plan)
+        sample_slots = self._sample_slots(cfg, state, sel.sample)  # fills the sample buffer first
+        cold = tuple(jnp.concatenate([self.ws[f], self.sample_ws[f]], axis=1)
+                     for f in HOST_FIELDS) + self._digests(cfg, state)
+        out, kept = attend_cold_slots(cfg, state, q, cold,
+                                      _slots_of(self.sched.resident, logical), sample_slots,
+                                      sel.sample_logw, implementation=implementation)
+        self.candidates = logical  # what the layer above should prefetch
+        return out, logical, kept, remember(cfg, state, logical)
+
+    def _sample_slots(self, cfg, state, sample):
+        """Slots of this step's sampled pages [B, Hkv, n]: the working-set slot of a
+        resident page, else its slot in the sample buffer (B*W + b*n + j). A page
+        not in the buffer yet is copied into a slot no entry of this step uses; the
+        uniform draws hold for a page's worth of steps, so most stay there."""
+        sample = jnp.asarray(sample, jnp.int32)
+        if sample.shape[-1] == 0:  # tail_sample_pages=0
+            return sample
+        resident = _slots_of(self.sched.resident, sample)
+        in_buffer, copy, self.sample_held = _buffer_slots(sample, resident >= 0,
+                                                          self.sample_held)
+        b, _, n = sample.shape
+        base = cfg.max_seqs * self.working_set + (jnp.arange(b) * n)[:, None, None]
+        got = self._fetch(np.asarray(pool_pages(state.page_table, copy)))
+        if got is not None:
+            bi, h, j, pages = got
+            self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(bi * n + j),
+                                        pages)
+            self.sample_pages_copied += len(bi)
+        return jnp.where(resident >= 0, resident, jnp.where(in_buffer >= 0, base + in_buffer, -1))
+
+    def prefetch(self, state, pages):
+        """Layer-ahead prefetch of pages [B, Hkv, K'] (logical, checked by the
+        caller); see `OffloadedCache.prefetch`. LRU fetches nothing."""
+        if self.sched.policy.kind == "lru":
+            return
+        plan = scheduler.plan_prefetch(self.sched, pages)
+        self._copy_in(np.asarray(pool_pages(state.page_table, plan.fetch)))
+        self.sched = scheduler.apply_prefetch(self.sched, plan)
+
+    def _copy_in(self, fetch_pool):
+        """Host -> working set: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
+        got = self._fetch(fetch_pool)
+        if got is not None:
+            b, h, w, pages = got
+            self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
+                                 pages)
+
+    def _fetch(self, fetch_pool):
+        """Host -> device: the pages named in fetch_pool [B, Hkv, W] (pool pages, -1 =
+        none) -> (b, h, w, {field: pages}) of the named entries, or None."""
+        b, h, w = np.nonzero(fetch_pool >= 0)
+        if not b.size:
+            return None
+        heads, pool = jnp.asarray(h, jnp.int32), jnp.asarray(fetch_pool[b, h, w], jnp.int32)
+        pages = {f: _fetch_pages(self._host, self._device, self.host[f], heads, pool)
+                 for f in HOST_FIELDS}
+        self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
+        return b, h, w, pages
+
+    def _digests(self, cfg, state):
+        """Digest rows laid out like the working set followed by the sample buffer
+        (device to device: the digests never leave the device)."""
+        sample = jnp.asarray(self.sample_held, jnp.int32)
+        rows = jnp.concatenate([self.sched.resident.transpose(1, 0, 2).reshape(
+            cfg.num_kv_heads, -1), sample.transpose(1, 0, 2).reshape(
+            cfg.num_kv_heads, -1)], axis=1)                          # [Hkv, B*W + B*n] logical
+        seq = jnp.concatenate([jnp.repeat(jnp.arange(cfg.max_seqs), self.working_set),
+                               jnp.repeat(jnp.arange(cfg.max_seqs), sample.shape[-1])])
+        pool = state.page_table[seq[None, :], jnp.maximum(rows, 0)]
+        pool = jnp.where(rows >= 0, pool, 0)
+        heads = jnp.arange(cfg.num_kv_heads)[:, None]
+        return (state.digest_center[heads, pool], state.digest_radius[heads, pool])
+
+    def counters(self, cfg: HiSparseConfig) -> dict:
+        """The scheduler's counters (selected, hits, misses, fetched, prefetched,
+        evictions, hit_rate, host->device bytes), the resident cold pages, the
+        sample buffer's copies and the bytes copied."""
+        out = dict(scheduler.counters(self.sched, cfg))
+        out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
+        out["sample_pages_copied"] = self.sample_pages_copied
+        out["host_to_device_bytes_copied"] = self.host_to_device_bytes
+        return out
+
+
 class OffloadedCache:
     """A HiSparseCache (empty or filled, with or without a prefix index) whose cold
     codes live in host memory from now on. prefill / append / release / prewarm /
@@ -175,31 +339,12 @@ class OffloadedCache:
         self.working_set_multiple = w / cfg.candidate_pages
         self.implementation = cache.implementation
         self.cache = cache  # checks, host mirrors, prefix index and the device state
-        self.working_set = w
         state = cache.state
         device = next(iter(state.int4_k.devices()))
-        self.memory_kind = host_memory_kind(device)
-        self._host = SingleDeviceSharding(device, memory_kind=self.memory_kind)
-        self._device = SingleDeviceSharding(device, memory_kind="device")
-        self.host = {f: jax.device_put(getattr(state, f), self._host) for f in HOST_FIELDS}
+        self.store_ = ColdStore(cfg, {f: getattr(state, f) for f in HOST_FIELDS}, device, w,
+                                policy)
         cache.state = _without_cold_codes(state)
         cache.cold_store = self
-        b = cfg.max_seqs
-        self.ws = {f: jnp.zeros((cfg.num_kv_heads, b * w) + self.host[f].shape[2:],
-                                self.host[f].dtype) for f in HOST_FIELDS}
-        # Sampled pages (`attention.sample_tail`) that were not resident when drawn,
-        # outside the scheduler's working set; `sample_held` names each slot's page,
-        # so a page drawn again is not copied again.
-        self.sample_ws = {f: jnp.zeros((cfg.num_kv_heads, b * cfg.sample_pages)
-                                       + self.host[f].shape[2:], self.host[f].dtype)
-                          for f in HOST_FIELDS}
-        self.sample_held = jnp.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, jnp.int32)
-        self.sample_pages_copied = 0
-        # The last step's candidate pages [B, Hkv, C] (logical, -1 = none): what the
-        # layer above should `prefetch`. None before the first `attend`.
-        self.candidates = None
-        self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
-        self.host_to_device_bytes = 0
         if device_budget is not None:
             self.fit_device_budget(device_budget)
         log.info(layout.summary_line(self.cfg, device_bytes=self.device_bytes(),
@@ -213,17 +358,26 @@ class OffloadedCache:
     def prefix(self):
         return self.cache.prefix
 
+    # The cold store's parts, as attributes of the cache (tests and benchmarks read them).
+    memory_kind = property(lambda self: self.store_.memory_kind)
+    host = property(lambda self: self.store_.host)
+    ws = property(lambda self: self.store_.ws)
+    sample_ws = property(lambda self: self.store_.sample_ws)
+    sample_held = property(lambda self: self.store_.sample_held)
+    sched = property(lambda self: self.store_.sched)
+    working_set = property(lambda self: self.store_.working_set)
+    candidates = property(lambda self: self.store_.candidates)
+    host_to_device_bytes = property(lambda self: self.store_.host_to_device_bytes)
+
     # ------------------------------------------------------------ the cache's cold store
     def store(self, pool_ids, cold):
         """New cold pages from prefill/append: pool_ids [n] (>= pool size: none),
         cold {field: [n, Hkv, page, ...]} -> the host pool."""
-        for f in HOST_FIELDS:
-            self.host[f] = _store_pages(self._host, self.host[f], pool_ids, cold[f])
+        self.store_.store(pool_ids, cold)
 
     def forget(self, seq):
         """Sequence `seq` is empty: none of its pages may stay resident."""
-        self.sched = scheduler.forget_sequence(self.sched, seq)
-        self.sample_held = self.sample_held.at[seq].set(-1)
+        self.store_.forget(seq)
 
     # ------------------------------------------------------------ the cache's API
     def prefill(self, seq: int, k, v, tokens=None):
@@ -242,8 +396,7 @@ class OffloadedCache:
     def device_bytes(self) -> int:
         """Every device byte this cache holds: tiers, digests, tables, working set
         and scheduler state."""
-        return (layout.nbytes(self.state) + layout.nbytes(self.ws)
-                + layout.nbytes(self.sample_ws) + layout.nbytes(self.sched))
+        return layout.nbytes(self.state) + self.store_.device_bytes()
 
     @staticmethod
     def _pick_level(nominal: HiSparseConfig, current: HiSparseConfig, multiple: float,
@@ -280,10 +433,7 @@ class OffloadedCache:
             st.check_retier(self.cfg, lvl)
             self.cache.state = st.retier(self.cfg, lvl, self.state,
                                          implementation=self.implementation)
-        if w != self.working_set:
-            self.sched, src = scheduler.resize(self.sched, w)
-            self.ws = _move_slots(self.ws, src)
-            self.working_set = w
+        self.store_.resize(w)
         if lvl != self.cfg:
             log.info("HiSparse under device budget %d B: hot %d tokens, selection budget "
                      "%d tokens, working set %d pages", budget, lvl.hot_tokens,
@@ -295,43 +445,9 @@ class OffloadedCache:
     def attend(self, q, *, return_selection=False):
         c = self.cfg
         self.cache._check_kv("q", q, (c.max_seqs, c.num_q_heads, c.head_dim))
-        q = jnp.asarray(q)
-        sel = select(c, self.state, q, implementation=self.implementation)
-        logical = sel.pages  # the candidates: the re-rank reads their keys
-        plan = scheduler.plan(self.sched, logical)
-        self._copy_in(np.asarray(pool_pages(self.state.page_table, plan.fetch)))
-        self.sched = scheduler.apply(self.sched, plan)
-        sample_slots = self._sample_slots(sel.sample)  # fills the sample buffer first
-        cold = tuple(jnp.concatenate([self.ws[f], self.sample_ws[f]], axis=1)
-                     for f in HOST_FIELDS) + self._digests()
-        out, kept = attend_cold_slots(c, self.state, q, cold,
-                                      _slots_of(self.sched.resident, logical), sample_slots,
-                                      sel.sample_logw, implementation=self.implementation)
-        pages = take_or_none(logical, kept)
-        self.cache.state = remember(c, self.state, logical)
-        self.candidates = logical  # what the layer above should prefetch
-        return (out, pages) if return_selection else out
-
-    def _sample_slots(self, sample):
-        """Slots of this step's sampled pages [B, Hkv, n]: the working-set slot of a
-        resident page, else its slot in the sample buffer (B*W + b*n + j). A page
-        not in the buffer yet is copied into a slot no entry of this step uses; the
-        uniform draws hold for a page's worth of steps, so most stay there."""
-        sample = jnp.asarray(sample, jnp.int32)
-        if sample.shape[-1] == 0:  # tail_sample_pages=0
-            return sample
-        resident = _slots_of(self.sched.resident, sample)
-        in_buffer, copy, self.sample_held = _buffer_slots(sample, resident >= 0,
-                                                          self.sample_held)
-        b, _, n = sample.shape
-        base = self.cfg.max_seqs * self.working_set + (jnp.arange(b) * n)[:, None, None]
-        got = self._fetch(np.asarray(pool_pages(self.state.page_table, copy)))
-        if got is not None:
-            bi, h, j, pages = got
-            self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(bi * n + j),
-                                        pages)
-            self.sample_pages_copied += len(bi)
-        return jnp.where(resident >= 0, resident, jnp.where(in_buffer >= 0, base + in_buffer, -1))
+        out, logical, kept, self.cache.state = self.store_.attend(
+            c, self.state, jnp.asarray(q), implementation=self.implementation)
+        return (out, take_or_none(logical, kept)) if return_selection else out
 
     def prefetch(self, pages):
         """Layer-ahead prefetch: `pages` [B, Hkv, K'] (logical, -1 = none) is the
@@ -343,12 +459,7 @@ class OffloadedCache:
         GPU they overlap the layer below's attention. Fetches at most the policy's
         `max_prefetch` pages per (sequence, KV head), never evicting the last
         step's selection; LRU fetches nothing."""
-        pages = self._check_pages(pages)
-        if self.sched.policy.kind == "lru":
-            return
-        plan = scheduler.plan_prefetch(self.sched, pages)
-        self._copy_in(np.asarray(pool_pages(self.state.page_table, plan.fetch)))
-        self.sched = scheduler.apply_prefetch(self.sched, plan)
+        self.store_.prefetch(self.state, self._check_pages(pages))
 
     def _check_pages(self, pages) -> jax.Array:
         """Logical page ids [B, Hkv, K]: integers, each -1 or a cold page of its
@@ -370,46 +481,8 @@ class OffloadedCache:
                              "nor -1")
         return jnp.asarray(arr, jnp.int32)
 
-    def _copy_in(self, fetch_pool):
-        """Host -> working set: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
-        got = self._fetch(fetch_pool)
-        if got is not None:
-            b, h, w, pages = got
-            self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
-                                 pages)
-
-    def _fetch(self, fetch_pool):
-        """Host -> device: the pages named in fetch_pool [B, Hkv, W] (pool pages, -1 =
-        none) -> (b, h, w, {field: pages}) of the named entries, or None."""
-        b, h, w = np.nonzero(fetch_pool >= 0)
-        if not b.size:
-            return None
-        heads, pool = jnp.asarray(h, jnp.int32), jnp.asarray(fetch_pool[b, h, w], jnp.int32)
-        pages = {f: _fetch_pages(self._host, self._device, self.host[f], heads, pool)
-                 for f in HOST_FIELDS}
-        self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
-        return b, h, w, pages
-
-    def _digests(self):
-        """Digest rows laid out like the working set followed by the sample buffer
-        (device to device: the digests never leave the device)."""
-        sample = jnp.asarray(self.sample_held, jnp.int32)
-        rows = jnp.concatenate([self.sched.resident.transpose(1, 0, 2).reshape(
-            self.cfg.num_kv_heads, -1), sample.transpose(1, 0, 2).reshape(
-            self.cfg.num_kv_heads, -1)], axis=1)                     # [Hkv, B*W + B*n] logical
-        seq = jnp.concatenate([jnp.repeat(jnp.arange(self.cfg.max_seqs), self.working_set),
-                               jnp.repeat(jnp.arange(self.cfg.max_seqs), sample.shape[-1])])
-        pool = self.state.page_table[seq[None, :], jnp.maximum(rows, 0)]
-        pool = jnp.where(rows >= 0, pool, 0)
-        heads = jnp.arange(self.cfg.num_kv_heads)[:, None]
-        return (self.state.digest_center[heads, pool], self.state.digest_radius[heads, pool])
-
     def counters(self) -> dict:
         """The scheduler's counters (selected, hits, misses, fetched, prefetched,
         evictions, hit_rate, host->device bytes), the cache's tier and prefix
         counters, and the resident cold pages."""
-        out = {**self.cache.counters(), **scheduler.counters(self.sched, self.cfg)}
-        out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
-        out["sample_pages_copied"] = self.sample_pages_copied
-        out["host_to_device_bytes_copied"] = self.host_to_device_bytes
-        return out
+        return {**self.cache.counters(), **self.store_.counters(self.cfg)}
