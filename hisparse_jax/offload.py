@@ -67,18 +67,21 @@ def _host_gather(pool, heads, pool_ids):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _store_pages(host, pool, pool_ids, pages):
+def _store_pages(host, pools, pool_ids, pages):
     """Scatter new cold pages into the host pool (pool_ids >= pool size dropped).
-    pool [Hkv, P, ...] in host memory; pages [n, Hkv, ...] on the device."""
-    return _host_scatter(pool, jax.device_put(pool_ids, host), jax.device_put(pages, host))
+    pools {field: [Hkv, P, ...]} in host memory; pages {field: [n, Hkv, ...]} on
+    the device."""
+    pool_ids = jax.device_put(pool_ids, host)
+    return {f: _host_scatter(pools[f], pool_ids, jax.device_put(pages[f], host))
+            for f in pools}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _fetch_pages(host, device, pool, heads, pool_ids):
-    """Gather pages (heads[i], pool_ids[i]) on the host, then copy them alone to
-    the device."""
-    rows = _host_gather(pool, jax.device_put(heads, host), jax.device_put(pool_ids, host))
-    return jax.device_put(rows, device)
+def _fetch_pages(host, device, pools, heads, pool_ids):
+    """Gather pages (heads[i], pool_ids[i]) of every field on the host, then copy
+    them alone to the device."""
+    heads, pool_ids = jax.device_put(heads, host), jax.device_put(pool_ids, host)
+    return {f: jax.device_put(_host_gather(pools[f], heads, pool_ids), device) for f in pools}
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -142,6 +145,55 @@ def _move_slots(ws, src):
     return {f: one(x) for f, x in ws.items()}
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def _select_and_plan(cfg, state, q, sched, *, implementation=None):
+    """A step's selection, the scheduler's plan for it and the pool pages the plan
+    fetches [B, Hkv, W] (-1 = none)."""
+    sel = select(cfg, state, q, implementation=implementation)
+    plan = scheduler.plan(sched, sel.pages)
+    return sel, plan, pool_pages(state.page_table, plan.fetch)
+
+
+@jax.jit
+def _plan_sample(resident, sample, held, page_table):
+    """The sample buffer's bookkeeping for this step's sampled pages (`_buffer_slots`):
+    (working-set slot of each [B, Hkv, n] (-1: not resident), buffer slot (-1:
+    none), held after the copies, pool pages to copy into each buffer slot)."""
+    in_ws = _slots_of(resident, sample)
+    in_buffer, copy, held = _buffer_slots(sample, in_ws >= 0, held)
+    return in_ws, in_buffer, held, pool_pages(page_table, copy)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def _attend_resident(cfg, state, q, ws, sample_ws, resident, sample_held, sel, in_ws,
+                     in_buffer, *, implementation=None):
+    """Attention over the resident pages: the working set followed by the sample
+    buffer, with their digests (device to device). -> (out, kept, last_selected)."""
+    b, h, w = resident.shape
+    n = sample_held.shape[-1]
+    base = b * w + (jnp.arange(b) * n)[:, None, None]
+    sample_slots = jnp.where(in_ws >= 0, in_ws, jnp.where(in_buffer >= 0, base + in_buffer, -1))
+    rows = jnp.concatenate([resident.transpose(1, 0, 2).reshape(h, -1),
+                            sample_held.transpose(1, 0, 2).reshape(h, -1)], axis=1)
+    seq = jnp.concatenate([jnp.repeat(jnp.arange(b), w), jnp.repeat(jnp.arange(b), n)])
+    pool = jnp.where(rows >= 0, state.page_table[seq[None, :], jnp.maximum(rows, 0)], 0)
+    heads = jnp.arange(h)[:, None]
+    cold = tuple(jnp.concatenate([ws[f], sample_ws[f]], axis=1) for f in HOST_FIELDS) + (
+        state.digest_center[heads, pool], state.digest_radius[heads, pool])
+    out, kept = attend_cold_slots(cfg, state, q, cold, _slots_of(resident, sel.pages),
+                                  sample_slots, sel.sample_logw, implementation=implementation)
+    return out, kept, remember(cfg, state, sel.pages).last_selected
+
+
+MIN_COPY_ROWS = 64  # a page is ~1 KiB: padding a copy to 64 rows costs little
+
+
+def _bucket(n: int) -> int:
+    """A copy's rows, padded to a power of two (at least MIN_COPY_ROWS): a few
+    program shapes, not one per count."""
+    return max(MIN_COPY_ROWS, 1 << max(0, n - 1).bit_length())
+
+
 class ColdStore:
     """One cache layer's cold pool in host memory, with what offload mode keeps on
     the device for it: a working set of W cold pages per (sequence, KV head), the
@@ -178,7 +230,12 @@ class ColdStore:
         # layer above should `prefetch`. None before the first `attend`.
         self.candidates = None
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
-        self.host_to_device_bytes = 0
+        # Committed to the device, as every later value of them is: one program
+        # per shape (jit compiles again for an uncommitted argument).
+        self.ws, self.sample_ws, self.sample_held, self.sched = jax.device_put(
+            (self.ws, self.sample_ws, self.sample_held, self.sched), self._device)
+        self.host_to_device_bytes = 0  # the pages copied
+        self.host_to_device_bytes_padded = 0  # with `_fetch`'s padding rows: what crossed
 
     @classmethod
     def empty(cls, cfg: HiSparseConfig, device, working_set: int,
@@ -186,15 +243,15 @@ class ColdStore:
         """An empty pool made in host memory (never on the device)."""
         shapes = jax.eval_shape(lambda: st.init_state(cfg))
         host = SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
-        return cls(cfg, {f: jnp.zeros(getattr(shapes, f).shape, getattr(shapes, f).dtype,
-                                      device=host) for f in HOST_FIELDS},
-                   device, working_set, policy)
+        return cls(cfg, {f: jax.device_put(np.zeros(getattr(shapes, f).shape,
+                                                    getattr(shapes, f).dtype), host)
+                         for f in HOST_FIELDS}, device, working_set, policy)
 
     def store(self, pool_ids, cold):
         """New cold pages: pool_ids [n] (>= pool size: none), cold {field: [n, Hkv,
         page, ...]} -> the host pool."""
-        for f in HOST_FIELDS:
-            self.host[f] = _store_pages(self._host, self.host[f], pool_ids, cold[f])
+        self.host = _store_pages(self._host, self.host, pool_ids,
+                                 {f: cold[f] for f in HOST_FIELDS})
 
     def forget(self, seq):
         """Sequence `seq` is empty: none of its pages may stay resident."""
@@ -217,40 +274,28 @@ class ColdStore:
         """Decode attention for q [B, Hq, D] over `state` (its cold codes here):
         -> (out [B, Hq, D], candidates [B, Hkv, C], kept (`attend_cold_slots`),
         the state with the candidates remembered)."""
-        sel = select(cfg, state, q, implementation=implementation)
-        logical = sel.pages  # the candidates: the re-rank reads their keys
-        plan = scheduler.plan(self.sched, logical)
-        self._copy_in(np.asarray(pool_pages(state.page_table, plan.fetch)))
+        sel, plan, fetch = _select_and_plan(cfg, state, q, self.sched,
+                                            implementation=implementation)
+        self._copy_in(np.asarray(fetch))
         self.sched = scheduler.apply(self.sched, plan)
-        sample_slots = self._sample_slots(cfg, state, sel.sample)  # fills the sample buffer first
-        cold = tuple(jnp.concatenate([self.ws[f], self.sample_ws[f]], axis=1)
-                     for f in HOST_FIELDS) + self._digests(cfg, state)
-        out, kept = attend_cold_slots(cfg, state, q, cold,
-                                      _slots_of(self.sched.resident, logical), sample_slots,
-                                      sel.sample_logw, implementation=implementation)
-        self.candidates = logical  # what the layer above should prefetch
-        return out, logical, kept, remember(cfg, state, logical)
-
-    def _sample_slots(self, cfg, state, sample):
-        """Slots of this step's sampled pages [B, Hkv, n]: the working-set slot of a
-        resident page, else its slot in the sample buffer (B*W + b*n + j). A page
-        not in the buffer yet is copied into a slot no entry of this step uses; the
-        uniform draws hold for a page's worth of steps, so most stay there."""
-        sample = jnp.asarray(sample, jnp.int32)
-        if sample.shape[-1] == 0:  # tail_sample_pages=0
-            return sample
-        resident = _slots_of(self.sched.resident, sample)
-        in_buffer, copy, self.sample_held = _buffer_slots(sample, resident >= 0,
-                                                          self.sample_held)
-        b, _, n = sample.shape
-        base = cfg.max_seqs * self.working_set + (jnp.arange(b) * n)[:, None, None]
-        got = self._fetch(np.asarray(pool_pages(state.page_table, copy)))
-        if got is not None:
-            bi, h, j, pages = got
-            self.sample_ws = _put_pages(self.sample_ws, jnp.asarray(h), jnp.asarray(bi * n + j),
-                                        pages)
-            self.sample_pages_copied += len(bi)
-        return jnp.where(resident >= 0, resident, jnp.where(in_buffer >= 0, base + in_buffer, -1))
+        sample = sel.sample
+        in_ws = in_buffer = sample
+        if sample.shape[-1]:  # tail_sample_pages > 0: fill the sample buffer first
+            in_ws, in_buffer, self.sample_held, copy = _plan_sample(
+                self.sched.resident, sample, self.sample_held, state.page_table)
+            # A page not in the buffer yet goes to a slot no entry of this step
+            # uses; the uniform draws hold for a page's worth of steps, so most
+            # stay there.
+            n = sample.shape[-1]
+            got = self._fetch(np.asarray(copy), lambda b, j: b * n + j)
+            if got is not None:
+                self.sample_ws = _put_pages(self.sample_ws, *got[:3])
+                self.sample_pages_copied += got[3]
+        out, kept, last = _attend_resident(cfg, state, q, self.ws, self.sample_ws,
+                                           self.sched.resident, self.sample_held, sel, in_ws,
+                                           in_buffer, implementation=implementation)
+        self.candidates = sel.pages  # what the layer above should prefetch
+        return out, sel.pages, kept, state.replace(last_selected=last)
 
     def prefetch(self, state, pages):
         """Layer-ahead prefetch of pages [B, Hkv, K'] (logical, checked by the
@@ -263,37 +308,46 @@ class ColdStore:
 
     def _copy_in(self, fetch_pool):
         """Host -> working set: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
-        got = self._fetch(fetch_pool)
+        got = self._fetch(fetch_pool, lambda b, w: b * self.working_set + w)
         if got is not None:
-            b, h, w, pages = got
-            self.ws = _put_pages(self.ws, jnp.asarray(h), jnp.asarray(b * self.working_set + w),
-                                 pages)
+            self.ws = _put_pages(self.ws, *got[:3])
 
-    def _fetch(self, fetch_pool):
+    def _fetch(self, fetch_pool, slot):
         """Host -> device: the pages named in fetch_pool [B, Hkv, W] (pool pages, -1 =
-        none) -> (b, h, w, {field: pages}) of the named entries, or None."""
+        none), `slot(b, w)` naming each entry's buffer slot -> (heads, slots,
+        {field: pages}) for `_put_pages`, and how many pages, or None. The rows are
+        padded to a power of two (a few program shapes, not one per count): pool
+        page 0, put nowhere."""
         b, h, w = np.nonzero(fetch_pool >= 0)
         if not b.size:
             return None
-        heads, pool = jnp.asarray(h, jnp.int32), jnp.asarray(fetch_pool[b, h, w], jnp.int32)
-        pages = {f: _fetch_pages(self._host, self._device, self.host[f], heads, pool)
-                 for f in HOST_FIELDS}
-        self.host_to_device_bytes += sum(int(x.nbytes) for x in pages.values())
-        return b, h, w, pages
+        n = _bucket(b.size)
+        heads, pool = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        slots = np.full(n, np.iinfo(np.int32).max, np.int32)
+        heads[:b.size], pool[:b.size], slots[:b.size] = h, fetch_pool[b, h, w], slot(b, w)
+        pages = _fetch_pages(self._host, self._device, self.host, heads, pool)
+        nbytes = [int(x.nbytes) for x in pages.values()]
+        self.host_to_device_bytes += sum(x * b.size // n for x in nbytes)
+        self.host_to_device_bytes_padded += sum(nbytes)
+        return jnp.asarray(heads), jnp.asarray(slots), pages, int(b.size)
 
-    def _digests(self, cfg, state):
-        """Digest rows laid out like the working set followed by the sample buffer
-        (device to device: the digests never leave the device)."""
-        sample = jnp.asarray(self.sample_held, jnp.int32)
-        rows = jnp.concatenate([self.sched.resident.transpose(1, 0, 2).reshape(
-            cfg.num_kv_heads, -1), sample.transpose(1, 0, 2).reshape(
-            cfg.num_kv_heads, -1)], axis=1)                          # [Hkv, B*W + B*n] logical
-        seq = jnp.concatenate([jnp.repeat(jnp.arange(cfg.max_seqs), self.working_set),
-                               jnp.repeat(jnp.arange(cfg.max_seqs), sample.shape[-1])])
-        pool = state.page_table[seq[None, :], jnp.maximum(rows, 0)]
-        pool = jnp.where(rows >= 0, pool, 0)
-        heads = jnp.arange(cfg.num_kv_heads)[:, None]
-        return (state.digest_center[heads, pool], state.digest_radius[heads, pool])
+    def compile_copies(self, cfg: HiSparseConfig):
+        """Compile the copy programs for every row count a step may ask for (else
+        the first steps compile them, seconds each on a CPU)."""
+        b, h = cfg.max_seqs, cfg.num_kv_heads
+        most = b * h * max(self.working_set, cfg.sample_pages)
+        n = _bucket(1)
+        while True:
+            idx = np.zeros(n, np.int32)
+            _fetch_pages.lower(self._host, self._device, self.host, idx, idx).compile()
+            pages = jax.eval_shape(_fetch_pages, self._host, self._device, self.host, idx, idx)
+            pages = {f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._device)
+                     for f, x in pages.items()}
+            for buf in (self.ws, self.sample_ws):
+                _put_pages.lower(buf, idx, idx, pages).compile()
+            if n >= most:
+                return
+            n *= 2
 
     def counters(self, cfg: HiSparseConfig) -> dict:
         """The scheduler's counters (selected, hits, misses, fetched, prefetched,
@@ -303,6 +357,7 @@ class ColdStore:
         out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
         out["sample_pages_copied"] = self.sample_pages_copied
         out["host_to_device_bytes_copied"] = self.host_to_device_bytes
+        out["host_to_device_bytes_padded"] = self.host_to_device_bytes_padded
         return out
 
 

@@ -37,14 +37,15 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax import attention as att
-from hisparse_jax import layout
+from hisparse_jax import layout, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
+from hisparse_jax.offload import ColdStore
 from hisparse_jax.prefix import PrefixIndex
-from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids
+from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, check_working_set
 
 ATTENTIONS = ("hisparse", "dense")
 PREFILL_CHUNK = 512  # causal_prefill_attention's query/key block
@@ -105,16 +106,21 @@ def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
     return jax.vmap(lambda s, p: st.stored(f(cfg, st.live(cfg, s), p)))(caches, pages)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "offload"),
                    donate_argnames="caches")
 def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
-             implementation):
+             implementation, offload=False):
     """One slot's prompt ids [Tp] (the first `length` real, the rest padding) ->
     (first generated token [], its logits [V], caches). shared [L, Tp / page]:
-    pool pages the prompt references instead of storing (-1: none)."""
+    pool pages the prompt references instead of storing (-1: none). offload: the
+    caches hold no cold codes (`_offloaded`); also returns the new cold pages,
+    (pool ids [L, Tp / page], codes {OFFLOAD_FIELDS: [L, Tp / page, Hkv, ...]}), for
+    the host pool."""
     model = nnx.merge(graphdef, params)
     t = ids.shape[0]
     chunk = min(t, PREFILL_CHUNK)
+    if offload:
+        caches = (caches, _new_cold_buffer(hcfg, caches.page_table.shape[0], t))
 
     def attend(caches, layer, q, k, v):
         # Exact attention over the K/V as the cache stores them (bf16), so that a
@@ -127,23 +133,57 @@ def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
             put = lambda c, x: jax.lax.dynamic_update_slice(
                 c, x[:n].transpose(1, 0, 2)[None, None].astype(c.dtype), (layer, slot, 0, 0, 0))
             return out, (put(caches[0], k), put(caches[1], v))
+        if offload:
+            caches, (pool_ids, codes) = caches
         cache = st.release(hcfg, st.layer_view(hcfg, caches, layer), slot)
-        cache = st.prefill(hcfg, cache, slot, k, v, length, shared[layer],
-                           implementation=implementation)
-        return out, st.set_layer(caches, layer, cache)
+        if not offload:
+            cache = st.prefill(hcfg, cache, slot, k, v, length, shared[layer],
+                               implementation=implementation)
+            return out, st.set_layer(caches, layer, cache)
+        cache, ids_l, codes_l = st.prefill_offload(hcfg, cache, slot, k, v, length,
+                                                   shared[layer], implementation=implementation)
+        new = (pool_ids.at[layer].set(ids_l),
+               {f: codes[f].at[layer].set(codes_l[f]) for f in codes})
+        return out, (st.set_layer(caches, layer, cache), new)
 
     x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend)
     logits = model.logits(x[length - 1][None])
     tok = sample(logits, length[None], *(a[None] for a in samp))
+    if offload:
+        return tok[0], logits[0], caches[0], *caches[1]
     return tok[0], logits[0], caches
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared):
+def _new_cold_buffer(hcfg: HiSparseConfig, layers: int, t: int):
+    """A prefill's new cold pages of every layer: (pool ids [L, t / page] (none yet),
+    codes {OFFLOAD_FIELDS: [L, t / page, Hkv, ...]})."""
+    shapes = jax.eval_shape(lambda: st.init_state(hcfg))
+    npg = t // hcfg.page_size
+    codes = {f: jnp.zeros((layers, npg, hcfg.num_kv_heads, *getattr(shapes, f).shape[2:]),
+                          getattr(shapes, f).dtype) for f in st.OFFLOAD_FIELDS}
+    return jnp.full((layers, npg), hcfg.pool_pages, jnp.int32), codes
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _offloaded(hcfg: HiSparseConfig, layers: int):
+    """`state.init_stacked` without the cold codes (their pool axis empty): offload
+    mode keeps them in host memory (`offload.ColdStore`, one per layer)."""
+    caches = st.init_stacked(hcfg, layers)
+    return caches.replace(**{f: jnp.zeros(x.shape[:2] + (0,) + x.shape[3:], x.dtype)
+                             for f in st.OFFLOAD_FIELDS for x in [getattr(caches, f)]})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=1)
+def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offload=False):
     """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16), shared
-    [L, T / page] as `_prefill`'s."""
+    [L, T / page] as `_prefill`'s (offload: also returns the new cold pages, as
+    `_prefill`'s)."""
     def one(cache, k, v, shared):
         cache = st.release(hcfg, st.live(hcfg, cache), slot)
+        if offload:
+            cache, pool_ids, codes = st.prefill_offload(hcfg, cache, slot, k, v, length,
+                                                        shared)
+            return st.stored(cache), pool_ids, codes
         return st.stored(st.prefill(hcfg, cache, slot, k, v, length, shared))
     return jax.vmap(one)(caches, k, v, shared)
 
@@ -249,6 +289,37 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     return pad(nxt), pad(logits), caches
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "first"),
+                   donate_argnames="caches")
+def _offload_qkv(params, caches, x, tokens, lens, active, layer, *, graphdef, hcfg, first):
+    """Offload mode, one layer of a decode step up to its attention: q [B, Hq, D],
+    the caches with the tokens' K/V appended, the pages that became cold (pool ids
+    [B], codes: `state.append_layer`'s), and the layer's state (for `ColdStore.attend`).
+    The first layer embeds `tokens` (x is ignored)."""
+    model = nnx.merge(graphdef, params)
+    if first:
+        x = model.embed_tokens(tokens)
+    q, k, v = model.block(layer).attention_inputs(x, lens, model.rope())
+    caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active)
+    return x, q, caches, pool_ids, codes, st.layer_view(hcfg, caches, layer)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="caches")
+def _offload_finish(params, caches, x, out, last_selected, layer, *, graphdef):
+    """The rest of the layer after its attention (out [B, Hq, D]); the caches take
+    the layer's remembered selection."""
+    model = nnx.merge(graphdef, params)
+    caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last_selected))
+    return model.block(layer).finish(x, out), caches
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _logits_and_sample(params, x, lens, samp, *, graphdef):
+    model = nnx.merge(graphdef, params)
+    logits = model.logits(x)
+    return sample(logits, lens + 1, *samp), logits
+
+
 # ---------------------------------------------------------------- the engine
 
 class Engine:
@@ -262,9 +333,20 @@ class Engine:
 
     def __init__(self, model: Llama, *, max_seqs: int = 1, max_context: int | None = None,
                  attention: str = "hisparse", budget_tokens: int = 2048,
-                 cache_overrides: dict | None = None, implementation=None):
+                 cache_overrides: dict | None = None, implementation=None,
+                 offload: bool = False, working_set: int | None = None,
+                 policy: scheduler.Policy | None = None):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: choose from {ATTENTIONS}")
+        if not isinstance(offload, bool):
+            raise ValueError(f"offload must be a bool, got {offload!r}")
+        if (offload or working_set is not None) and attention != "hisparse":
+            raise ValueError("offload mode (and its working_set) needs attention='hisparse'")
+        if (working_set is not None or policy is not None) and not offload:
+            raise ValueError("working_set and policy are offload mode's: pass offload=True")
+        if policy is not None and not isinstance(policy, scheduler.Policy):
+            raise ValueError(f"policy must be a scheduler.Policy, got {policy!r}")
+        self.policy = policy
         mc = model.cfg
         if max_context is None:
             max_context = mc.max_position
@@ -281,7 +363,15 @@ class Engine:
                 num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
                 max_context=-(-max_context // 16) * 16, max_seqs=max_seqs,
                 budget_tokens=budget_tokens, **(cache_overrides or {}))
-            self.caches = st.init_stacked(self.cache_cfg, layers)
+            # committed to the device, as every later value is (one program per shape)
+            self.caches = jax.device_put((_offloaded if offload else st.init_stacked)(
+                self.cache_cfg, layers), jax.devices()[0])
+            self.cold = None  # offload mode: one ColdStore per layer (`_new_cold_stores`)
+            if offload:
+                cand = self.cache_cfg.candidate_pages
+                self.working_set = check_working_set(
+                    cand, 2 * cand if working_set is None else working_set)
+                self._new_cold_stores()
             self.prefix = PrefixIndex(self.cache_cfg.page_size)
             self.prefix.bind(self._drop_pages)
             self.evicted_pages = 0  # per layer
@@ -289,7 +379,7 @@ class Engine:
         else:
             if cache_overrides:
                 raise ValueError("cache_overrides apply to attention='hisparse' only")
-            self.cache_cfg = None
+            self.cache_cfg, self.cold = None, None
             shape = (layers, max_seqs, mc.num_kv_heads, max_context, mc.head_dim)
             self.caches = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
             self.prefix, self.num_free = None, 0
@@ -306,6 +396,21 @@ class Engine:
     def _static(self):
         return {"graphdef": self.graphdef, "hcfg": self.cache_cfg,
                 "implementation": self.implementation}
+
+    @property
+    def offload(self) -> bool:
+        return self.cold is not None
+
+    def _new_cold_stores(self):
+        device = next(iter(self.caches.seq_lens.devices()))
+        self.cold = [ColdStore.empty(self.cache_cfg, device, self.working_set, self.policy)
+                     for _ in range(self.model.cfg.num_layers)]
+
+    def _store_cold(self, pool_ids, codes):
+        """Offload mode: a prefill's new cold pages (pool ids [L, n], codes
+        {field: [L, n, ...]}) into each layer's host pool."""
+        for layer, store in enumerate(self.cold):
+            store.store(pool_ids[layer], {f: x[layer] for f, x in codes.items()})
 
     def _samp(self, slots):
         ps = [self.sampling[s] for s in slots]
@@ -489,9 +594,12 @@ class Engine:
         padded = np.zeros(prefill_length(n), np.int32)
         padded[:n] = ids
         shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
-        tok, self.logits, self.caches = _prefill(
+        tok, self.logits, self.caches, *new = _prefill(
             self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            shared, tuple(a[0] for a in self._samp([slot])), **self._static())
+            shared, tuple(a[0] for a in self._samp([slot])), **self._static(),
+            offload=self.offload)
+        if new:
+            self._store_cold(*new)
         self._end_fill(slot, ids, need)
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
@@ -561,8 +669,7 @@ class Engine:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
         else:
             t = prefill_length(n)
-            self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), k[:, :t],
-                                      v[:, :t], jnp.int32(n), self._shared(slot, t))
+            self._fill_kv(slot, k[:, :t], v[:, :t], n, self._shared(slot, t))
         self._end_fill(slot, ids, need)
         self._stage_slot = None
         self.lens[slot] = n
@@ -647,12 +754,20 @@ class Engine:
         if self.cache_cfg is None:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), pad_to(k), pad_to(v))
         else:
-            self.caches = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), pad_to(k),
-                                      pad_to(v), jnp.int32(n), self._shared(slot, n + pad))
+            self._fill_kv(slot, pad_to(k), pad_to(v), n, self._shared(slot, n + pad))
         self._end_fill(slot, ids, need)
         self.sampling[slot] = sampling
         self.lens[slot] = n
         self.tokens[slot] = next_token
+
+    def _fill_kv(self, slot: int, k, v, n: int, shared):
+        out = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), k, v, jnp.int32(n),
+                          shared, self.offload)
+        if self.offload:
+            self.caches, pool_ids, codes = out
+            self._store_cold(pool_ids, codes)
+        else:
+            self.caches = out
 
     def decode_step(self, active=None, tokens=None) -> np.ndarray:
         """Append each active slot's last token, attend, sample: next tokens [B]
@@ -680,15 +795,58 @@ class Engine:
             need = int(np.sum((st.num_cold_pages(self.cache_cfg, before + active)
                                - st.num_cold_pages(self.cache_cfg, before)) * (before > 0)))
             self._make_room(need)
-        nxt, self.logits, self.caches = _decode(
-            self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
-            jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static(),
-            n=self.decode_width(active))
+        if self.offload:
+            nxt, self.logits = self._decode_offloaded(active, need > 0)
+        else:
+            nxt, self.logits, self.caches = _decode(
+                self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
+                jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static(),
+                n=self.decode_width(active))
         nxt = np.asarray(nxt)
         self.tokens = np.where(active, nxt, self.tokens).astype(np.int32)
         self.lens = self.lens + active
         self.num_free -= need
         return self.tokens.copy()
+
+    def _decode_offloaded(self, active: np.ndarray, new_cold: bool):
+        """Offload mode's decode step, one layer at a time (the host copies each
+        layer's missing pages between its selection and its attention): layer l's
+        K/V appended, the pages that became cold stored in its host pool, the layer
+        below's candidates prefetched, then `ColdStore.attend` (select, copy exactly
+        the missing pages, attend) and the rest of the layer. The same bytes as the
+        all-resident step reads: the same tokens. -> (next tokens [B], logits [B, V])."""
+        c = self.cache_cfg
+        tokens, lens = jnp.asarray(self.tokens), jnp.asarray(self.lens)
+        act = jnp.asarray(active)
+        x, below = jnp.zeros((), jnp.float32), None  # the first layer embeds the tokens
+        for layer, store in enumerate(self.cold):
+            idx = jnp.int32(layer)
+            x, q, self.caches, pool_ids, codes, view = _offload_qkv(
+                self.params, self.caches, x, tokens, lens, act, idx, graphdef=self.graphdef,
+                hcfg=c, first=layer == 0)
+            if new_cold:
+                store.store(pool_ids, codes)
+            if below is not None:
+                store.prefetch(view, below)
+            out, below, _, view = store.attend(c, view, q, implementation=self.implementation)
+            x, self.caches = _offload_finish(self.params, self.caches, x, out,
+                                             view.last_selected, idx, graphdef=self.graphdef)
+        return _logits_and_sample(self.params, x, lens, self._samp(range(self.max_seqs)),
+                                  graphdef=self.graphdef)
+
+    def offload_counters(self) -> dict[str, int | float]:
+        """Offload mode's counters summed over the layers: cold pages selected
+        (per KV head), found resident (hits), copied in (misses and prefetches),
+        evicted, the resident hit rate and the host-to-device bytes copied; {}
+        without offload."""
+        if not self.offload:
+            return {}
+        keys = ("selected", "hits", "misses", "fetched", "prefetched", "evictions",
+                "resident_pages", "sample_pages_copied", "host_to_device_bytes_copied")
+        per = [store.counters(self.cache_cfg) for store in self.cold]
+        out = {k: sum(p[k] for p in per) for k in keys}
+        out["hit_rate"] = out["hits"] / max(1, out["selected"])
+        return out
 
     def decode_widths(self) -> list[int]:
         """The slot counts a decode program is compiled for: 4, 8, 16, ... up to
@@ -725,6 +883,8 @@ class Engine:
         """`release`, keeping the slot's hold (for the prefill about to fill it)."""
         if self.cache_cfg is not None:
             self.caches = _release(self.cache_cfg, self.caches, jnp.int32(slot))
+            for store in self.cold or ():  # its pages leave the working sets
+                store.forget(slot)
             refs = self._refs.pop(slot, None)
             if refs:
                 with self.prefix.writer():
@@ -767,6 +927,12 @@ class Engine:
 
     def capacity_line(self) -> str:
         layers = self.model.cfg.num_layers
+        if self.offload:
+            device = layout.nbytes(self.caches) + sum(c.device_bytes() for c in self.cold)
+            host = sum(layout.nbytes(c.host) for c in self.cold)
+            return (f"{layout.summary_line(self.cache_cfg, device // layers, host // layers)} "
+                    f"per layer, {layers} layers, cold pages offloaded to host memory "
+                    f"(working set {self.working_set} pages per sequence and KV head)")
         if self.cache_cfg is not None:
             return f"{layout.summary_line(self.cache_cfg)} per layer, {layers} layers"
         nbytes = sum(c.size * c.dtype.itemsize for c in self.caches)
@@ -782,7 +948,8 @@ class Engine:
         samp = tuple(a[0] for a in self._samp([0]))
         shared = None if self.cache_cfg is None else self._shared(-1, n)
         _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
-                       jnp.int32(1), shared, samp, **self._static()).compile()
+                       jnp.int32(1), shared, samp, **self._static(),
+                       offload=self.offload).compile()
         if n > PREFILL_CHUNK:
             self._make_stage()
             _prefill_chunk.lower(self.params, self._stage, jnp.zeros(PREFILL_CHUNK, jnp.int32),
@@ -794,7 +961,12 @@ class Engine:
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
-                                  jnp.int32(1), self._shared(-1, n)).compile()
+                                  jnp.int32(1), self._shared(-1, n), self.offload).compile()
+        if self.offload:  # many small programs: run a step with no sequence, start afresh
+            self.decode_step(np.zeros(self.max_seqs, bool))
+            self._new_cold_stores()
+            self.cold[0].compile_copies(self.cache_cfg)  # one program per shape: all layers
+            return time.perf_counter() - t
         for n in self.decode_widths():
             _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
                           jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),

@@ -211,6 +211,13 @@ class Block(nnx.Module):
             setattr(self, name, nnx.Param(jnp.asarray(weights[name], jnp.bfloat16)))
 
     def __call__(self, x, positions, rope, caches, layer, attend: Attend):
+        q, k, v = self.attention_inputs(x, positions, rope)
+        out, caches = attend(caches, layer, q, k, v)
+        return self.finish(x, out), caches
+
+    def attention_inputs(self, x, positions, rope):
+        """x [..., d] at positions [...] -> q [..., Hq, D], k, v [..., Hkv, D]
+        (RoPE applied to q and k)."""
         cfg = self.cfg
         inv_freq, scale = rope
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
@@ -225,12 +232,16 @@ class Block(nnx.Module):
         q = apply_rope(proj(self.wq, bias[0], cfg.num_heads), positions, inv_freq, scale)
         k = apply_rope(proj(self.wk, bias[1], cfg.num_kv_heads), positions, inv_freq, scale)
         v = proj(self.wv, bias[2], cfg.num_kv_heads)
-        out, caches = attend(caches, layer, q, k, v)
+        return q, k, v
+
+    def finish(self, x, out):
+        """The rest of the layer after attention (out [..., Hq, D]): output
+        projection, residual, MLP."""
+        cfg = self.cfg
         x = x + matmul(out.reshape(*x.shape[:-1], -1), self.wo[...])
         h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
         gate = jax.nn.silu(matmul(h, self.w_gate[...]))
-        x = x + matmul(gate * matmul(h, self.w_up[...]), self.w_down[...])
-        return x, caches
+        return x + matmul(gate * matmul(h, self.w_up[...]), self.w_down[...])
 
 
 class Llama(nnx.Module):
@@ -253,8 +264,7 @@ class Llama(nnx.Module):
         """All layers: x [..., d] at positions [...]; caches: any pytree, carried
         through the layers and updated by `attend` -> (x, caches)."""
         graphdef, weights = nnx.split(self.blocks)
-        inv_freq, scale = rope_frequencies(self.cfg)  # constants of the program
-        rope = (jnp.asarray(inv_freq), scale)
+        rope = self.rope()
 
         def body(carry, xs):
             x, caches = carry
@@ -265,6 +275,16 @@ class Llama(nnx.Module):
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         (x, caches), _ = jax.lax.scan(body, (x, caches), (weights, layers))
         return x, caches
+
+    def block(self, layer) -> Block:
+        """Layer `layer` alone (an int or a traced index), for programs that run
+        one layer at a time (the engine's offload mode)."""
+        graphdef, weights = nnx.split(self.blocks)
+        return nnx.merge(graphdef, jax.tree.map(lambda w: w[layer], weights))
+
+    def rope(self):
+        inv_freq, scale = rope_frequencies(self.cfg)  # constants of the program
+        return jnp.asarray(inv_freq), scale
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection: x [..., d] -> [..., V] float32."""

@@ -1,0 +1,104 @@
+"""The model engine's offload mode (`Engine(offload=True)`): the cold int4 codes
+of every layer live in host memory (`offload.ColdStore`), the device state holds
+none, and a decode step copies each layer's missing pages between its selection
+and its attention. Served on the real model, the tokens and logits equal the
+all-resident engine's bit for bit: long prompts (one program and block by block),
+a shared prefix, a slot released and filled again."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from models_fixtures import smollm2
+
+from hisparse_jax import scheduler
+from hisparse_jax import state as st
+from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return smollm2()
+
+
+def _prompts(tok):
+    text = ("In 1862 the survey ship reached the northern cape, where the crew counted "
+            "forty-one seals, mended two sails and wrote the names of every island they "
+            "passed into a log that is now kept in the city museum. ")
+    doc = np.asarray(tok.encode(text * 40), np.int32)
+    other = np.asarray(tok.encode("A short question about gardens, weather and trains. " * 8))
+    return doc[:460], doc[:1100], np.concatenate([doc[:800], other[:50]])
+
+
+def _fill(eng, prompts):
+    """Slot 0: a one-program prefill; slot 2: block by block (the server's path);
+    slot 3: a prompt that shares slot 2's first 800 tokens."""
+    first = [eng.prefill(0, prompts[0])]
+    for slot, ids in ((2, prompts[1]), (3, prompts[2])):
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            tok = eng.prefill_chunk(slot, ids, start)
+        first.append(tok)
+    return first
+
+
+@pytest.mark.parametrize("policy", [None, scheduler.LRU], ids=["predictive", "lru"])
+def test_offload_decodes_the_same_tokens_and_logits_as_all_resident(model, policy):
+    """A budget of 64 cold tokens per head (4 pages of the prompts' 25-65 cold
+    pages): selection decides what is read, pages move in and out of the working
+    sets. 20 steps, then slot 0 is released and refilled with another prompt
+    (its old pages must leave the working sets) and 8 more."""
+    m, tok = model
+    prompts = _prompts(tok)
+    kw = dict(max_seqs=4, max_context=1536, budget_tokens=64)
+    resident, off = Engine(m, **kw), Engine(m, **kw, offload=True, policy=policy)
+    c = off.cache_cfg
+    assert off.caches.int4_k.shape[2] == 0  # no cold codes on the device
+    assert all(s.host["int4_k"].sharding.memory_kind == s.memory_kind for s in off.cold)
+    assert _fill(off, prompts) == _fill(resident, prompts)
+    np.testing.assert_array_equal(np.asarray(off.logits), np.asarray(resident.logits))
+    assert off.prefix_stats()["hits"] > 0  # slot 3 shares slot 2's pages
+    for step in range(28):
+        if step == 20:
+            for eng in (off, resident):
+                eng.release(0)
+                eng.prefill(0, prompts[2][::-1].copy())
+        np.testing.assert_array_equal(off.decode_step(), resident.decode_step())
+        np.testing.assert_array_equal(np.asarray(off.logits), np.asarray(resident.logits))
+    got = off.offload_counters()
+    assert got["selected"] > 0 and got["misses"] > 0 and got["hits"] > got["misses"]
+    assert (got["prefetched"] > 0) == (policy is None)
+    page = scheduler.page_bytes(c)
+    assert got["host_to_device_bytes_copied"] == (got["fetched"] + got["sample_pages_copied"]) * page
+    assert 0 < got["hit_rate"] < 1
+    # every layer's host pool holds what the resident pool holds, page for page
+    live = np.flatnonzero(np.asarray(resident.caches.refcount[5]) > 0)
+    np.testing.assert_array_equal(np.asarray(off.cold[5].host["int4_k"])[:, live],
+                                  np.asarray(resident.caches.int4_k[5])[:, live])
+    assert off.pool_usage() == resident.pool_usage()
+
+
+def test_offload_mode_checks_its_arguments(model):
+    m, _ = model
+    with pytest.raises(ValueError, match="attention='hisparse'"):
+        Engine(m, max_context=256, attention="dense", offload=True)
+    with pytest.raises(ValueError, match="working_set must be an int >= "):
+        Engine(m, max_context=256, offload=True, working_set=1)
+    with pytest.raises(ValueError, match="offload mode's: pass offload=True"):
+        Engine(m, max_context=256, working_set=64)
+    with pytest.raises(ValueError, match="offload must be a bool"):
+        Engine(m, max_context=256, offload="yes")
+
+
+def test_an_offloaded_engine_holds_less_on_the_device(model):
+    """The capacity line names the host bytes; the device state is smaller by the
+    cold codes (the working sets are what it holds of them)."""
+    m, _ = model
+    resident, off = (Engine(m, max_seqs=2, max_context=4096, offload=o) for o in (False, True))
+    dev = lambda e: sum(x.nbytes for x in jax.tree.leaves(e.caches))
+    codes = sum(getattr(resident.caches, f).nbytes for f in st.OFFLOAD_FIELDS)
+    assert dev(resident) - dev(off) == codes
+    host = sum(x.nbytes for s in off.cold for x in s.host.values())
+    assert host == codes
+    assert "offloaded to host memory" in off.capacity_line()
+
