@@ -83,7 +83,7 @@ def test_offload_mode_checks_its_arguments(model):
     with pytest.raises(ValueError, match="attention='hisparse'"):
         Engine(m, max_context=256, attention="dense", offload=True)
     with pytest.raises(ValueError, match="working_set must be an int >= "):
-        Engine(m, max_context=256, offload=True, working_set=1)
+        Engine(m, max_context=4096, offload=True, working_set=1)
     with pytest.raises(ValueError, match="offload mode's: pass offload=True"):
         Engine(m, max_context=256, working_set=64)
     with pytest.raises(ValueError, match="offload must be a bool"):
