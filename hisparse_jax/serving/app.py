@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
+from hisparse_jax.scheduler import POLICIES
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.serving.metrics import Metrics
 from hisparse_jax.serving.scheduler import (
@@ -64,6 +65,8 @@ class ServeConfig:
     kv_cache_memory: int | None = None   # bytes: slots from the capacity planner
     kv_pool_pages: int | None = None     # cold pool pages per layer (None: every slot's context)
     fault_injection: bool = False        # tests only: honour a request's fault_nan_kv_after
+    offload: bool = False                # cold pages in host memory (HiSparse)
+    offload_policy: str = "predictive"   # the working sets' scheduler (scheduler.POLICIES)
 
     def __post_init__(self):
         if not (isinstance(self.models, tuple) and self.models
@@ -84,6 +87,10 @@ class ServeConfig:
             check_int("kv_cache_memory", self.kv_cache_memory, minimum=1)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.offload and self.attention != "hisparse":
+            raise ValueError("offload: only attention='hisparse' has cold pages to offload")
+        if self.offload_policy not in POLICIES:
+            raise ValueError(f"offload_policy={self.offload_policy!r}: choose from {POLICIES}")
         if self.kv_pool_pages is not None:
             check_int("kv_pool_pages", self.kv_pool_pages, minimum=1)
             if self.attention != "hisparse":
@@ -189,7 +196,10 @@ def lineage(engine, model_path: pathlib.Path | None) -> dict:
         for f in sorted(model_path.glob("*.safetensors")):
             h.update(sha256(f).encode())
         model_sha = h.hexdigest()
-    cache = repr((engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg))
+    cache = (engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg)
+    if engine.offload:  # the same answers, but another set-up: say which
+        cache += ("offload", engine.working_set, engine.cold[0].sched.policy)
+    cache = repr(cache)
     try:
         pkg = version("hisparse")
     except PackageNotFoundError:

@@ -24,6 +24,7 @@ def build_state(cfg):
     scheduler: everything `app.build_app` serves."""
     import pathlib
 
+    from hisparse_jax import scheduler
     from hisparse_jax.models.engine import Engine
     from hisparse_jax.models.generate import stop_ids
     from hisparse_jax.models.registry import load, resolve
@@ -43,10 +44,14 @@ def build_state(cfg):
         context = cfg.max_context or model.cfg.max_position
         seqs, line = plan_slots(model.cfg, context, cfg)
         pool = None if cfg.kv_pool_pages is None else {"num_pool_pages": cfg.kv_pool_pages}
+        policy = None
+        if cfg.offload:
+            policy = scheduler.LRU if cfg.offload_policy == "lru" else scheduler.Policy()
         engine = Engine(model, max_seqs=seqs, max_context=context,
                         attention=cfg.attention, budget_tokens=cfg.budget_tokens,
-                        cache_overrides=pool)
+                        cache_overrides=pool, offload=cfg.offload, policy=policy)
         log.info("%s: %s", name, line)
+        log.info("%s: %s", name, engine.capacity_line())
         if engine.cache_cfg is not None:
             c = engine.cache_cfg
             log.info("%s: cold page pool: %d pages per layer (%d per full context); "
@@ -78,7 +83,8 @@ def plan_slots(mc, context: int, cfg) -> tuple[int, str]:
     if cfg.attention == "hisparse":
         preset = HiSparseConfig(num_kv_heads=mc.num_kv_heads, gqa_group=mc.group,
                                 head_dim=mc.head_dim, budget_tokens=cfg.budget_tokens)
-        p = capacity.plan(shape, context, cfg.kv_cache_memory, preset=preset)
+        p = capacity.plan(shape, context, cfg.kv_cache_memory, preset=preset,
+                          offload=cfg.offload)
         per_seq, host = p["device_bytes"], p["host_bytes"]
         seqs = p.get("max_sequences", cfg.max_seqs)
     else:
@@ -133,7 +139,8 @@ def main_serve(args):
                       price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
                       prefill_budget=args.prefill_budget, record_traffic=args.record_traffic,
                       kv_cache_memory=args.kv_cache_memory,
-                      kv_pool_pages=args.kv_pool_pages, fault_injection=args.fault_injection)
+                      kv_pool_pages=args.kv_pool_pages, fault_injection=args.fault_injection,
+                      offload=args.offload, offload_policy=args.offload_policy)
     serve(cfg)
 
 
@@ -158,6 +165,14 @@ def add_serving_parsers(subparsers):
                    help="cold page pool per layer (default: every slot's full context); "
                         "admission reserves each request's prompt + max_tokens worth of "
                         "pages, so a smaller pool makes requests wait, never fail mid-way")
+    s.add_argument("--offload", action="store_true",
+                   help="keep the cold pages in host memory (HiSparse): the device holds "
+                        "their digests and a working set per sequence, so a context may "
+                        "exceed --kv-cache-memory (the planner counts device bytes only)")
+    s.add_argument("--offload-policy", choices=("predictive", "lru"), default="predictive",
+                   help="the working sets' scheduler: predictive also prefetches the layer "
+                        "below's candidates (more copies, a higher hit rate), lru only "
+                        "copies what a step misses")
     s.add_argument("--fault-injection", action="store_true",
                    help="tests only: honour a request's 'fault_nan_kv_after': N (its K/V "
                         "turn NaN after N tokens)")

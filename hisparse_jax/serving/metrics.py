@@ -66,6 +66,17 @@ class Metrics:
                                        "by decode steps (per layer and KV head; computed "
                                        "from the selection budget and each sequence's cold "
                                        "pages)", M, registry=r),
+            "offload_pages": Counter("hisparse:offload_cold_pages", "Offload mode: cold "
+                                     "pages a decode step selected (per layer and KV head) "
+                                     "found resident (hit) or copied from host memory "
+                                     "(miss), and pages prefetched from the layer below's "
+                                     "candidates (prefetch)", [*M, "result"], registry=r),
+            "offload_bytes": Counter("hisparse:offload_host_to_device_bytes", "Offload mode: "
+                                     "bytes of cold pages copied from host memory (working "
+                                     "sets and sample buffers)", M, registry=r),
+            "offload_hit_rate": Gauge("hisparse:offload_resident_hit_rate", "Offload mode: "
+                                      "share of the selected cold pages found resident, "
+                                      "since the start", M, registry=r),
             "tier_tokens": Gauge("hisparse:kv_tier_tokens", "Tokens held per tier over the "
                                  "running sequences (HiSparse)", [*M, "tier"], registry=r),
             "poisoned": Gauge("hisparse:poisoned_sequences", "Sequences whose K/V took a "
@@ -93,13 +104,17 @@ class Metrics:
         """One model's series: attributes named as `families`' keys; `success` keeps
         its finished_reason label (`.labels(finished_reason=...)`)."""
         out = {k: f.labels(model_name=model_name) for k, f in self.families.items()
-               if k not in ("success", "tier_tokens", "pool_pages", "prefix_pages")}
+               if k not in ("success", "tier_tokens", "pool_pages", "prefix_pages",
+                            "offload_pages")}
         success, tiers = self.families["success"], self.families["tier_tokens"]
         pool, prefix = self.families["pool_pages"], self.families["prefix_pages"]
         out["pool_pages"] = types.SimpleNamespace(
             labels=lambda state: pool.labels(model_name=model_name, state=state))
         out["prefix_pages"] = types.SimpleNamespace(
             labels=lambda result: prefix.labels(model_name=model_name, result=result))
+        offload = self.families["offload_pages"]
+        out["offload_pages"] = types.SimpleNamespace(
+            labels=lambda result: offload.labels(model_name=model_name, result=result))
         out["success"] = types.SimpleNamespace(
             labels=lambda finished_reason: success.labels(model_name=model_name,
                                                           finished_reason=finished_reason))

@@ -160,6 +160,7 @@ class Scheduler:
         self.prefixes: dict[str, Prefix] = {}  # context id -> pinned K/V
         self._unpinned: list[str] = []  # contexts whose pages the engine thread lets go
         self._index_stats: dict[str, int] = {}  # the engine's prefix counts, last reported
+        self._offload_stats: dict[str, int] = {}  # and its offload counts
         self.busy_s = 0.0  # time spent in steps that had work (for the cost figure)
         self.generated = 0
         cfg = engine.cache_cfg
@@ -387,6 +388,14 @@ class Scheduler:
         read = np.minimum(cold, cfg.budget_pages)[decoded].sum() * layers_heads
         m.cold_pages_read.inc(int(read))
         m.poisoned.set(int(np.asarray(eng.caches.poisoned).any(axis=0).sum()))
+        if eng.offload:
+            off, last = eng.offload_counters(), self._offload_stats
+            for key, result in (("hits", "hit"), ("misses", "miss"), ("prefetched", "prefetch")):
+                m.offload_pages.labels(result=result).inc(off[key] - last.get(key, 0))
+            m.offload_bytes.inc(off["host_to_device_bytes_copied"]
+                                - last.get("host_to_device_bytes_copied", 0))
+            m.offload_hit_rate.set(off["hit_rate"])
+            self._offload_stats = off
 
     def _reuse_prefix(self, slot: int, seq: _Seq):
         """Start the prefill after the longest pinned prefix of the prompt."""
