@@ -50,7 +50,7 @@ def test_offload_decodes_the_same_tokens_and_logits_as_all_resident(model, polic
     (its old pages must leave the working sets) and 8 more."""
     m, tok = model
     prompts = _prompts(tok)
-    kw = dict(max_seqs=4, max_context=1536, budget_tokens=64)
+    kw = {"max_seqs": 4, "max_context": 1536, "budget_tokens": 64}
     resident, off = Engine(m, **kw), Engine(m, **kw, offload=True, policy=policy)
     c = off.cache_cfg
     assert off.caches.int4_k.shape[2] == 0  # no cold codes on the device

@@ -80,9 +80,9 @@ def test_offload_server_answers_as_all_resident(model, tmp_path):
             assert got == tok.decode(want), (got, tok.decode(want))
         metrics = httpx.get(url + "/metrics").text
     value = lambda name: float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", metrics,
-                                         re.M).group(1))
+                                         re.MULTILINE).group(1))
     series = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^hisparse:offload_cold_pages_total\{.*result="(\w+)"\} (\S+)$', metrics, re.M)}
+        r'^hisparse:offload_cold_pages_total\{.*result="(\w+)"\} (\S+)$', metrics, re.MULTILINE)}
     assert series["miss"] > 0 and series["hit"] > series["miss"]
     assert value("hisparse:offload_host_to_device_bytes_total") > 0
     assert 0 < value("hisparse:offload_resident_hit_rate") < 1

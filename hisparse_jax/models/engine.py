@@ -339,7 +339,7 @@ class Engine:
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: choose from {ATTENTIONS}")
         if not isinstance(offload, bool):
-            raise ValueError(f"offload must be a bool, got {offload!r}")
+            raise ValueError(f"offload must be a bool, got {offload!r}")  # noqa: TRY004
         if (offload or working_set is not None) and attention != "hisparse":
             raise ValueError("offload mode (and its working_set) needs attention='hisparse'")
         if (working_set is not None or policy is not None) and not offload:

@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
-from hisparse_jax.scheduler import POLICIES
 from hisparse_jax.models.sampling import SamplingParams
+from hisparse_jax.scheduler import POLICIES
 from hisparse_jax.serving.metrics import Metrics
 from hisparse_jax.serving.scheduler import (
     Finish,
