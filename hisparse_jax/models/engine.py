@@ -24,6 +24,12 @@ document hold its cold pages once. `pin` keeps a prompt's pages after its
 sequence ends (a prewarmed document); unpinned pages nobody uses stay indexed
 and are evicted, oldest first, when the pool runs short (`pool_available`
 counts them as free).
+
+Offload mode (`offload=True`, HiSparse): the stacked state holds no cold codes;
+each layer's live in host memory (`offload.ColdStore`). Prefill writes a prompt's
+new cold pages there; a decode step runs layer by layer (`_decode_offloaded`), the
+host copying each layer's missing pages between its selection and its attention.
+The same bytes are attended, so the tokens equal the all-resident engine's.
 """
 
 from __future__ import annotations
