@@ -10,6 +10,7 @@ all-resident engine, and the offload counters (hit rate, pages and bytes copied)
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -38,6 +39,8 @@ def main(argv=None):
                      np.int32)
     context = -(-(args.prompt_tokens + args.steps + 1) // 512) * 512
     ref = None
+    command = " ".join(["python", "benchmarks/engine_offload.py", *sys.argv[1:]])
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     for name, kw in (("resident", {}), ("offload-predictive", {"offload": True}),
                      ("offload-lru", {"offload": True, "policy": scheduler.LRU})):
         eng = Engine(model, max_seqs=args.slots, max_context=context,
@@ -63,8 +66,7 @@ def main(argv=None):
             row["hit_rate"] = round(c["hit_rate"], 4)
             row["h2d_kib_per_step"] = round(c["host_to_device_bytes_copied"] / args.steps
                                             / 1024, 1)
-        print(json.dumps(row), flush=True)
-    print(" ".join(["python", "benchmarks/engine_offload.py", *sys.argv[1:]]), file=sys.stderr)
+        print(json.dumps({**row, "command": command, "date": date}), flush=True)
 
 
 if __name__ == "__main__":
