@@ -352,7 +352,6 @@ class Engine:
             raise ValueError("working_set and policy are offload mode's: pass offload=True")
         if policy is not None and not isinstance(policy, scheduler.Policy):
             raise ValueError(f"policy must be a scheduler.Policy, got {policy!r}")
-        self.policy = policy
         mc = model.cfg
         if max_context is None:
             max_context = mc.max_position
@@ -372,12 +371,14 @@ class Engine:
             # committed to the device, as every later value is (one program per shape)
             self.caches = jax.device_put((_offloaded if offload else st.init_stacked)(
                 self.cache_cfg, layers), jax.devices()[0])
-            self.cold = None  # offload mode: one ColdStore per layer (`_new_cold_stores`)
+            self.cold = None  # offload mode: one ColdStore per layer
             if offload:
                 cand = self.cache_cfg.candidate_pages
                 self.working_set = check_working_set(
                     cand, 2 * cand if working_set is None else working_set)
-                self._new_cold_stores()
+                device = next(iter(self.caches.seq_lens.devices()))
+                self.cold = [ColdStore.empty(self.cache_cfg, device, self.working_set, policy)
+                             for _ in range(layers)]
             self.prefix = PrefixIndex(self.cache_cfg.page_size)
             self.prefix.bind(self._drop_pages)
             self.evicted_pages = 0  # per layer
@@ -406,11 +407,6 @@ class Engine:
     @property
     def offload(self) -> bool:
         return self.cold is not None
-
-    def _new_cold_stores(self):
-        device = next(iter(self.caches.seq_lens.devices()))
-        self.cold = [ColdStore.empty(self.cache_cfg, device, self.working_set, self.policy)
-                     for _ in range(self.model.cfg.num_layers)]
 
     def _store_cold(self, pool_ids, codes):
         """Offload mode: a prefill's new cold pages (pool ids [L, n], codes
@@ -968,9 +964,16 @@ class Engine:
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
                                   jnp.int32(1), self._shared(-1, n), self.offload).compile()
-        if self.offload:  # many small programs: run a step with no sequence, start afresh
-            self.decode_step(np.zeros(self.max_seqs, bool))
-            self._new_cold_stores()
+        if self.offload:
+            # Many small programs: compiled by running a step while no slot holds a
+            # sequence (nothing is selected or copied; the scheduler's step count is
+            # put back). With sequences, a step would select and copy their pages:
+            # their programs compile at the first real step instead.
+            if not self.lens.any():
+                saved = [store.sched for store in self.cold]
+                self.decode_step(np.zeros(self.max_seqs, bool))
+                for store, sched in zip(self.cold, saved):
+                    store.sched = sched
             self.cold[0].compile_copies(self.cache_cfg)  # one program per shape: all layers
             return time.perf_counter() - t
         for n in self.decode_widths():
