@@ -236,6 +236,9 @@ class ColdStore:
             (self.ws, self.sample_ws, self.sample_held, self.sched), self._device)
         self.host_to_device_bytes = 0  # the pages copied
         self.host_to_device_bytes_padded = 0  # with `_fetch`'s padding rows: what crossed
+        # The scheduler's counters are int32 on the device: `counters` moves them
+        # here (int64) and zeroes them, so a long-running server never sees them wrap.
+        self.counted = np.zeros(len(scheduler.COUNTERS), np.int64)
 
     @classmethod
     def empty(cls, cfg: HiSparseConfig, device, working_set: int,
@@ -353,7 +356,12 @@ class ColdStore:
         """The scheduler's counters (selected, hits, misses, fetched, prefetched,
         evictions, hit_rate, host->device bytes), the resident cold pages, the
         sample buffer's copies and the bytes copied."""
-        out = dict(scheduler.counters(self.sched, cfg))
+        now = np.asarray(self.sched.counters).astype(np.int64)
+        if now.any():
+            self.counted = self.counted + now
+            self.sched = self.sched.replace(counters=jax.device_put(
+                np.zeros(now.shape, np.int32), self._device))
+        out = dict(scheduler.counters(self.sched, cfg, since=self.counted))
         out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
         out["sample_pages_copied"] = self.sample_pages_copied
         out["host_to_device_bytes_copied"] = self.host_to_device_bytes

@@ -132,8 +132,14 @@ def working_set_bytes(cfg: HiSparseConfig, working_set: int, batch: int = 1) -> 
     return data + meta
 
 
-def counters(state: SchedulerState, cfg: HiSparseConfig | None = None) -> dict:
-    c = dict(zip(COUNTERS, (int(x) for x in np.asarray(state.counters))))
+def counters(state: SchedulerState, cfg: HiSparseConfig | None = None,
+             since: np.ndarray | None = None) -> dict:
+    """The counters as ints (`since`: [len(COUNTERS)] counts already taken out of
+    the int32 device counters, added), bytes, hit rate."""
+    values = np.asarray(state.counters).astype(np.int64)
+    if since is not None:
+        values = values + since
+    c = dict(zip(COUNTERS, (int(x) for x in values)))
     if cfg is not None:
         c["host_to_device_bytes"] = c["fetched"] * page_bytes(cfg)
     c["hit_rate"] = c["hits"] / max(1, c["selected"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
-from hisparse_jax import scheduler
+from hisparse_jax import capacity, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 
@@ -72,6 +72,9 @@ def test_offload_decodes_the_same_tokens_and_logits_as_all_resident(model, polic
     page = scheduler.page_bytes(c)
     assert got["host_to_device_bytes_copied"] == (got["fetched"] + got["sample_pages_copied"]) * page
     assert 0 < got["hit_rate"] < 1
+    # the int32 device counters were moved to the host (a server never sees them wrap)
+    assert not any(np.asarray(s.sched.counters).any() for s in off.cold)
+    assert off.offload_counters() == got
     # every layer's host pool holds what the resident pool holds, page for page
     live = np.flatnonzero(np.asarray(resident.caches.refcount[5]) > 0)
     np.testing.assert_array_equal(np.asarray(off.cold[5].host["int4_k"])[:, live],
@@ -102,4 +105,11 @@ def test_an_offloaded_engine_holds_less_on_the_device(model):
     host = sum(x.nbytes for s in off.cold for x in s.host.values())
     assert host == codes
     assert "offloaded to host memory" in off.capacity_line()
+    # the working set is the one the capacity planner sizes (capped at the cold pages)
+    mc = m.cfg
+    shape = capacity.ModelShape("smollm2", mc.num_layers, mc.num_kv_heads, mc.num_heads,
+                                mc.head_dim)
+    plan = capacity.plan(shape, 4096, preset=off.cache_cfg, offload=True)
+    assert plan["working_set_pages_per_seq_head"] == off.working_set
+    assert off.working_set < 2 * off.cache_cfg.candidate_pages
 

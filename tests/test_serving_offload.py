@@ -94,3 +94,17 @@ def test_offload_needs_hisparse():
         ServeConfig(attention="dense", offload=True)
     with pytest.raises(ValueError, match="offload_policy="):
         ServeConfig(offload=True, offload_policy="fifo")
+    with pytest.raises(ValueError, match="offload_policy: only with offload"):
+        ServeConfig(offload_policy="lru")
+
+
+def test_offload_series_only_for_an_offloaded_model():
+    from prometheus_client import generate_latest
+
+    from hisparse_jax.serving.metrics import Metrics
+    metrics = Metrics()
+    metrics.bind("plain")
+    metrics.bind("offloaded", offload=True)
+    text = generate_latest(metrics.registry).decode()
+    samples = [x for x in text.splitlines() if x.startswith("hisparse:offload_")]
+    assert samples and all('model_name="offloaded"' in x for x in samples)

@@ -295,9 +295,10 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     return pad(nxt), pad(logits), caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "first"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "first"),
                    donate_argnames="caches")
-def _offload_qkv(params, caches, x, tokens, lens, active, layer, *, graphdef, hcfg, first):
+def _offload_qkv(params, caches, x, tokens, lens, active, layer, *, graphdef, hcfg,
+                 implementation, first):
     """Offload mode, one layer of a decode step up to its attention: q [B, Hq, D],
     the caches with the tokens' K/V appended, the pages that became cold (pool ids
     [B], codes: `state.append_layer`'s), and the layer's state (for `ColdStore.attend`).
@@ -306,7 +307,8 @@ def _offload_qkv(params, caches, x, tokens, lens, active, layer, *, graphdef, hc
     if first:
         x = model.embed_tokens(tokens)
     q, k, v = model.block(layer).attention_inputs(x, lens, model.rope())
-    caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active)
+    caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active,
+                                              implementation=implementation)
     return x, q, caches, pool_ids, codes, st.layer_view(hcfg, caches, layer)
 
 
@@ -373,9 +375,11 @@ class Engine:
                 self.cache_cfg, layers), jax.devices()[0])
             self.cold = None  # offload mode: one ColdStore per layer
             if offload:
-                cand = self.cache_cfg.candidate_pages
-                self.working_set = check_working_set(
-                    cand, 2 * cand if working_set is None else working_set)
+                c = self.cache_cfg
+                # as the capacity planner sizes it: 2x a step's candidates, never
+                # more than a sequence's cold pages
+                self.working_set = check_working_set(c.candidate_pages, min(
+                    2 * c.candidate_pages, c._cold_pages) if working_set is None else working_set)
                 device = next(iter(self.caches.seq_lens.devices()))
                 self.cold = [ColdStore.empty(self.cache_cfg, device, self.working_set, policy)
                              for _ in range(layers)]
@@ -824,8 +828,8 @@ class Engine:
         for layer, store in enumerate(self.cold):
             idx = jnp.int32(layer)
             x, q, self.caches, pool_ids, codes, view = _offload_qkv(
-                self.params, self.caches, x, tokens, lens, act, idx, graphdef=self.graphdef,
-                hcfg=c, first=layer == 0)
+                self.params, self.caches, x, tokens, lens, act, idx, **self._static(),
+                first=layer == 0)
             if new_cold:
                 store.store(pool_ids, codes)
             if below is not None:

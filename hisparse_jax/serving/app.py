@@ -91,6 +91,9 @@ class ServeConfig:
             raise ValueError("offload: only attention='hisparse' has cold pages to offload")
         if self.offload_policy not in POLICIES:
             raise ValueError(f"offload_policy={self.offload_policy!r}: choose from {POLICIES}")
+        if self.offload_policy != "predictive" and not self.offload:
+            raise ValueError("offload_policy: only with offload (the scheduler of the "
+                             "offloaded cold pages)")
         if self.kv_pool_pages is not None:
             check_int("kv_pool_pages", self.kv_pool_pages, minimum=1)
             if self.attention != "hisparse":

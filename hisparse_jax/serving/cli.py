@@ -63,7 +63,7 @@ def build_state(cfg):
                         "with fault_nan_kv_after): for tests only", name)
         log.info("%s: compiling (%s attention) ...", name, cfg.attention)
         log.info("%s: compiled in %.1f s", name, engine.warmup())
-        bound = metrics.bind(name)
+        bound = metrics.bind(name, offload=engine.offload)
         sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
                           prefill_budget=cfg.prefill_budget, metrics=bound)
         models[name] = Served(name=name, source=source, engine=engine, tokenizer=tok,

@@ -100,12 +100,15 @@ class Metrics:
         self.rejected = Counter("hisparse:request_rejected", "Requests refused before "
                                 "running, by HTTP status", ["status"], registry=r)
 
-    def bind(self, model_name: str) -> types.SimpleNamespace:
+    def bind(self, model_name: str, offload: bool = False) -> types.SimpleNamespace:
         """One model's series: attributes named as `families`' keys; `success` keeps
-        its finished_reason label (`.labels(finished_reason=...)`)."""
+        its finished_reason label (`.labels(finished_reason=...)`). The offload
+        series only for a model served with offload."""
+        skip = {"success", "tier_tokens", "pool_pages", "prefix_pages", "offload_pages"}
+        if not offload:
+            skip |= {"offload_bytes", "offload_hit_rate"}
         out = {k: f.labels(model_name=model_name) for k, f in self.families.items()
-               if k not in ("success", "tier_tokens", "pool_pages", "prefix_pages",
-                            "offload_pages")}
+               if k not in skip}
         success, tiers = self.families["success"], self.families["tier_tokens"]
         pool, prefix = self.families["pool_pages"], self.families["prefix_pages"]
         out["pool_pages"] = types.SimpleNamespace(
