@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -130,9 +131,69 @@ def _logprobs(logits):
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
-def exact_logprobs(model, ids: np.ndarray, start: int) -> np.ndarray:
+# Reference selections (`--configs oracle-1/16 quest-1/16 ...`): one forward pass
+# whose attention from position `start` on keeps only the sink, the hot and warm
+# window (exactly the tiers the cache always attends, at page granularity) and
+# budget_pages cold pages per (position, KV head), over unquantized bf16 K/V:
+# "oracle" picks the pages with the most exact group mass, "quest" those with the
+# highest group maximum of Quest's bound over each page's exact key range. They
+# bound what page selection at that budget can reach, with no quantization and no
+# tail estimate.
+ORACLE_QUERY_CHUNK = 256
+
+
+def _selected_attention(q, k, v, *, select: str, budget_pages: int, start: int,
+                        cfg) -> jax.Array:
+    """Exact causal attention [T, Hq, D] for positions < start; from `start` on,
+    attention over the always-attended tiers plus `select`'s budget_pages cold pages."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g, pg, c = hq // hkv, cfg.page_size, ORACLE_QUERY_CHUNK
+    window_pages = cfg.hot_pages + cfg.warm_pages
+    exact = att.causal_prefill_attention(q, k, v, chunk=512)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    npg = t // pg
+    key_page = jnp.arange(t) // pg
+    kp = kf.reshape(npg, pg, hkv, d)
+    lo, hi = kp.min(1), kp.max(1)                                       # [P, Hkv, D]
+    scale = 1.0 / math.sqrt(d)
+
+    def chunk(i):
+        pos = start + i * c + jnp.arange(c)                             # query positions
+        qc = jax.lax.dynamic_slice_in_dim(q, start + i * c, c).astype(jnp.float32)
+        qc = qc.reshape(c, hkv, g, d)
+        s = jnp.einsum("qhgd,khd->hgqk", qc, kf) * scale                # [Hkv, G, C, T]
+        causal = jnp.arange(t)[None, :] <= pos[:, None]                 # [C, T]
+        s = jnp.where(causal, s, -jnp.inf)
+        last = pos // pg                                                # newest page
+        page = jnp.arange(npg)
+        cold = (page[None, :] >= cfg.sink_pages) & (page[None, :] <= (last - window_pages)[:, None])
+        always = (key_page[None, :] < cfg.sink_pages) | \
+            (key_page[None, :] > (last - window_pages)[:, None])        # [C, T]
+        if select == "oracle":
+            p = jax.nn.softmax(s, axis=-1)
+            score = p.reshape(hkv, g, c, npg, pg).sum((1, 4))           # group mass [Hkv, C, P]
+        else:  # quest: the group maximum of the bound
+            score = (jnp.einsum("qhgd,phd->hgqp", jnp.maximum(qc, 0), hi)
+                     + jnp.einsum("qhgd,phd->hgqp", jnp.minimum(qc, 0), lo)).max(1) * scale
+        score = jnp.where(cold[None], score, -jnp.inf)
+        _, top = jax.lax.top_k(score, budget_pages)                     # [Hkv, C, K]
+        chosen = jnp.zeros((hkv, c, npg), bool).at[
+            jnp.arange(hkv)[:, None, None], jnp.arange(c)[None, :, None], top].set(True)
+        chosen &= cold[None]
+        keep = causal[None] & (always[None] | jnp.repeat(chosen, pg, axis=-1))  # [Hkv, C, T]
+        w = jax.nn.softmax(jnp.where(keep[:, None], s, -jnp.inf), axis=-1)
+        return jnp.einsum("hgqk,khd->qhgd", w, vf).reshape(c, hq, d)
+
+    sparse = jax.lax.map(chunk, jnp.arange((t - start) // c))
+    return exact.at[start:].set(sparse.reshape(t - start, hq, d))
+
+
+def exact_logprobs(model, ids: np.ndarray, start: int, *, select: str | None = None,
+                   budget_pages: int = 0, cfg=None) -> np.ndarray:
     """log-softmax of the logits at positions start..T-2 [T-1-start, V]: one exact
-    causal forward pass over bf16 K/V, as the engine's prefill attends."""
+    causal forward pass over bf16 K/V, as the engine's prefill attends (with
+    `select`, a reference selection's attention from `start` on, above)."""
     from flax import nnx
     graphdef, params = nnx.split(model)
 
@@ -142,6 +203,9 @@ def exact_logprobs(model, ids: np.ndarray, start: int) -> np.ndarray:
 
         def attend(caches, layer, q, k, v):
             k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+            if select is not None:
+                return _selected_attention(q, k, v, select=select, budget_pages=budget_pages,
+                                           start=start, cfg=cfg), caches
             return att.causal_prefill_attention(q, k, v, chunk=512), caches
 
         x, _ = m.layers(m.embed_tokens(ids), jnp.arange(ids.shape[0]), None, attend)
@@ -157,6 +221,47 @@ def exact_logprobs(model, ids: np.ndarray, start: int) -> np.ndarray:
     rows = [np.asarray(logprobs(params, x[i:i + 256]))
             for i in range(start, len(ids) - 1, 256)]
     return np.concatenate(rows)[:len(ids) - 1 - start]
+
+
+REFERENCE_SELECTIONS = ("oracle", "quest")
+
+
+def _row(name, path, licence, cname, args, agree, kl, budget):
+    return {"task": "nexttoken", "doc": name, "path": path, "licence": licence,
+            "config": cname, "tokens": args.tokens, "score_from": args.score_from,
+            "positions": len(agree), "top1_agreement": round(float(agree.mean()), 5),
+            "mean_kl_nats": round(float(kl.mean()), 6),
+            "p99_kl_nats": round(float(np.quantile(kl, 0.99)), 5),
+            "max_kl_nats": round(float(kl.max()), 4), "budget_tokens": budget}
+
+
+def _compare(lp, dense):
+    """(top-1 agreement [N] bool, KL(dense || lp) [N]) of log-probs [N, V]."""
+    agree = np.argmax(lp, -1) == np.argmax(dense, -1)
+    return agree, np.sum(np.exp(dense) * (dense - lp), -1)
+
+
+def _reference_selection(model, docs, dense_lp, cname, kw, args, out):
+    """One forward pass per document with a reference selection's attention."""
+    from hisparse_jax.config import HiSparseConfig
+    mc = model.cfg
+    cfg = HiSparseConfig(num_kv_heads=mc.num_kv_heads, gqa_group=mc.group,
+                         head_dim=mc.head_dim, max_context=args.tokens,
+                         budget_tokens=kw["budget_tokens"])
+    agree, kl = [], []
+    t = time.perf_counter()
+    for (name, path, licence, ids), dense in zip(docs, dense_lp):
+        lp = exact_logprobs(model, ids, args.score_from, select=kw["select"],
+                            budget_pages=cfg.budget_pages, cfg=cfg)
+        a, k = _compare(lp, dense)
+        agree.append(a)
+        kl.append(k)
+        print(json.dumps(_row(name, path, licence, cname, args, a, k, cfg.budget_tokens)),
+              file=out, flush=True)
+    agree, kl = np.concatenate(agree), np.concatenate(kl)
+    return {"top1_agreement": round(float(agree.mean()), 5),
+            "mean_kl_nats": round(float(kl.mean()), 6),
+            "positions": int(agree.size), "forward_s": round(time.perf_counter() - t, 1)}
 
 
 def run_nexttoken(model, tok, args, out):
@@ -178,7 +283,14 @@ def run_nexttoken(model, tok, args, out):
     # forward (the same attention over the same bf16 K/V).
     cfgs = {k: v for k, v in configs(args.tokens, args.fractions).items() if k != "dense"}
     cfgs["all"] = {"attention": "hisparse", "budget_tokens": FULL_BUDGET}
+    for name, kw in list(cfgs.items()):
+        if name.startswith("1/"):
+            for select in REFERENCE_SELECTIONS:
+                cfgs[f"{select}-{name}"] = {"select": select, **kw}
     if args.configs:
+        unknown = sorted(set(args.configs) - set(cfgs))
+        if unknown:
+            raise SystemExit(f"unknown --configs {unknown}; choose from {sorted(cfgs)}")
         cfgs = {k: cfgs[k] for k in args.configs}
     if args.check_dense:
         cfgs = {"dense": {"attention": "dense"}, **cfgs}
@@ -190,6 +302,10 @@ def run_nexttoken(model, tok, args, out):
     del seed_kv
     summary = {}
     for cname, kw in cfgs.items():
+        if "select" in kw:
+            summary[cname] = _reference_selection(model, docs, dense_lp, cname, kw, args, out)
+            log(f"{cname}: {summary[cname]}")
+            continue
         eng = Engine(model, max_seqs=len(docs), max_context=args.tokens + 1, **kw)
         steps = n if cname != "dense" else min(n, 128)
         for slot in range(len(docs)):
@@ -203,20 +319,12 @@ def run_nexttoken(model, tok, args, out):
         for i in tqdm(range(steps), desc=f"nexttoken {cname}", file=sys.stderr):
             eng.decode_step(tokens=np.array([d[3][t0 + i] for d in docs]))
             lp = np.asarray(_logprobs(eng.logits))
-            for j in range(len(docs)):
-                p = dense_lp[j][i]
-                agree[j, i] = np.argmax(lp[j]) == np.argmax(p)
-                kl[j, i] = float(np.sum(np.exp(p) * (p - lp[j])))
+            agree[:, i], kl[:, i] = _compare(lp, np.stack([d[i] for d in dense_lp]))
         secs = time.perf_counter() - t
+        budget = eng.cache_cfg.budget_tokens if eng.cache_cfg else None
         for j, (name, path, licence, _) in enumerate(docs):
-            print(json.dumps({"task": "nexttoken", "doc": name, "path": path, "licence": licence,
-                              "config": cname, "tokens": args.tokens, "score_from": t0,
-                              "positions": steps, "top1_agreement": round(agree[j].mean(), 5),
-                              "mean_kl_nats": round(kl[j].mean(), 6),
-                              "p99_kl_nats": round(float(np.quantile(kl[j], 0.99)), 5),
-                              "max_kl_nats": round(kl[j].max(), 4),
-                              "budget_tokens": eng.cache_cfg.budget_tokens if eng.cache_cfg
-                              else None}), file=out, flush=True)
+            print(json.dumps(_row(name, path, licence, cname, args, agree[j], kl[j], budget)),
+                  file=out, flush=True)
         summary[cname] = {"top1_agreement": round(agree.mean(), 5),
                           "mean_kl_nats": round(kl.mean(), 6), "positions": int(agree.size),
                           "decode_s": round(secs, 1)}
