@@ -284,6 +284,8 @@ def run_nexttoken(model, tok, args, out):
     cfgs = {k: v for k, v in configs(args.tokens, args.fractions).items() if k != "dense"}
     cfgs["all"] = {"attention": "hisparse", "budget_tokens": FULL_BUDGET}
     for name, kw in list(cfgs.items()):
+        if args.set and kw.get("attention") == "hisparse":
+            kw["cache_overrides"] = {**kw.get("cache_overrides", {}), **args.set}
         if name.startswith("1/"):
             for select in REFERENCE_SELECTIONS:
                 cfgs[f"{select}-{name}"] = {"select": select, **kw}
@@ -348,6 +350,9 @@ def main(argv=None):
     p.add_argument("--check-dense", action="store_true",
                    help="nexttoken: also a dense engine's decode (128 steps) against the "
                         "exact forward")
+    p.add_argument("--set", nargs="+", default={}, metavar="FIELD=VALUE",
+                   type=lambda kv: kv.split("=", 1),
+                   help="nexttoken: HiSparse cache overrides (e.g. tail_sample_pages=0)")
     p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
                    help="e.g. llama3:4 or linear:2 (trained length: the model's)")
     p.add_argument("--seed", type=int, default=0)
@@ -355,6 +360,7 @@ def main(argv=None):
                    help="passkey: leave out each length's first N examples (resume a run)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
+    args.set = {k: float(v) if "." in v else int(v) for k, v in args.set}
     model, tok = load(args.model, rope_scaling=args.rope_scaling)
     with contextlib.ExitStack() as stack:
         out = sys.stdout if args.out == "-" else stack.enter_context(open(args.out, "a"))

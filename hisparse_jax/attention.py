@@ -297,8 +297,10 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
            bound: jax.Array | None = None, window_lse: jax.Array | None = None):
     """Which candidates a decode step attends, from their exact (int4) logits.
 
-    Each query head's share of every candidate page's mass among the candidates,
-    summed over the group, ranks them; the `budget_pages` best are kept. Given
+    Each query head's share of every candidate page's mass among the candidates
+    (`cfg.rerank_weight` "share"), or among the window and the candidates
+    ("mass", which needs window_lse), summed over the group, ranks them; the
+    `budget_pages` best are kept. Given
     each candidate's Quest bound (`candidate_bounds`) and the window's log-sum-exp,
     a sharp query head (one candidate holds more than `cfg.quest_floor_mass` of
     its mass on the window and the candidates) keeps at least the int4 mass that
@@ -320,15 +322,22 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
     top = jnp.max(logits, axis=(-2, -1), keepdims=True)
     page = jnp.sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), axis=-1)
     share = page / jnp.maximum(jnp.sum(page, axis=-1, keepdims=True), 1e-30)
-    group = jnp.sum(share, axis=2)                                # [B, Hkv, C]
-    valid = group > 0                                             # NaN keys: never attended
-    score = jnp.where(valid, group, -1.0)
-    k = min(cfg.budget_pages, c)
-    if bound is not None and cfg.quest_floor_mass < 1 and k < c:
+    window = None
+    if window_lse is not None:
         # Each head's mass on the window, in units of its candidates' mass.
         cand_lse = top[..., 0, 0] + jnp.log(jnp.sum(page, axis=-1))  # [B, Hkv, G]
         window = jnp.exp(jnp.minimum(window_lse - cand_lse, 80.0))
         window = jnp.where(jnp.isnan(window), 0.0, window)
+    if cfg.rerank_weight == "mass":  # each head's mass on window + candidates
+        if window is None:
+            raise ValueError("rerank_weight='mass' needs the window's log-sum-exp")
+        group = jnp.sum(share / (1.0 + window[..., None]), axis=2)
+    else:
+        group = jnp.sum(share, axis=2)                            # [B, Hkv, C]
+    valid = group > 0                                             # NaN keys: never attended
+    score = jnp.where(valid, group, -1.0)
+    k = min(cfg.budget_pages, c)
+    if bound is not None and cfg.quest_floor_mass < 1 and k < c:
         share = jnp.where(valid[:, :, None], share, 0.0)
         sharp = jnp.max(share, axis=-1) > cfg.quest_floor_mass * (1.0 + window)
         # Only when some head is sharp (random keys: never): the bounds' gather and
@@ -532,10 +541,11 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, im
                                  slots if impl == "pallas" else listed)
     cand_logits = decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale)
     floor = {}
+    if cfg.quest_floor_mass < 1 or cfg.rerank_weight == "mass":
+        floor["window_lse"] = window_lse(*window, sm_scale)
     if cfg.quest_floor_mass < 1:
         pages = candidate_pages(int4_k, center, radius, slots)
-        floor = {"bound": lambda: _bounds(qg, *pages, slots),
-                 "window_lse": window_lse(*window, sm_scale)}
+        floor["bound"] = lambda: _bounds(qg, *pages, slots)
     kept, drawn, drawn_logw = rerank(cfg, cand_logits, state.seq_lens, **floor)
     n = sample_slots.shape[-1]
     picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32),

@@ -9,6 +9,7 @@ from hisparse_jax.validate import is_int, is_number
 
 FULL_BUDGET = -1  # budget_tokens value meaning "attend every cold page"
 IMPLEMENTATIONS = (None, "xla", "pallas")
+RERANK_WEIGHTS = ("share", "mass")
 
 
 def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) -> str:
@@ -73,6 +74,12 @@ class HiSparseConfig:
     # 1 = off. docs/results.md measures it.
     rerank_multiple: float = 1.25
     rerank_sample_pages: int = 8
+    # What the re-rank sums over the group: "share" = each query head's share of
+    # its candidates' mass (every head votes alike); "mass" = each head's share of
+    # its mass on the window and the candidates (a head whose attention sits in
+    # the window votes little; the oracle's objective: the mass attended).
+    # docs/results.md ("Next-token agreement") measures it on real text.
+    rerank_weight: str = "share"
     # Sharp heads (issue 14): a query head one of whose candidates holds more than
     # quest_floor_mass of its mass on the window and the candidates keeps, in the
     # re-rank, at least the int4 mass plain Quest's pages among the candidates
@@ -133,6 +140,8 @@ class HiSparseConfig:
              and self.rerank_multiple >= 1, "rerank_multiple", "must be a finite number >= 1")
         need(is_number(self.quest_floor_mass) and 0.0 < self.quest_floor_mass <= 1.0,
              "quest_floor_mass", "must be a number in (0, 1]")
+        need(self.rerank_weight in RERANK_WEIGHTS, "rerank_weight",
+             f"must be one of {RERANK_WEIGHTS}")
         need(is_int(self.rerank_sample_pages) and self.rerank_sample_pages >= 0,
              "rerank_sample_pages", "must be a non-negative int")
         need(is_number(self.sticky_nats) and math.isfinite(self.sticky_nats)

@@ -54,6 +54,37 @@ def test_keeps_the_candidates_with_the_most_group_mass(g, c, k, t):
         assert not np.isin(d, want).any() and np.isin(d, valid).all()
 
 
+@pytest.mark.parametrize("g,c,k,t", [(1, 12, 8, 16), (4, 48, 32, 16), (3, 37, 24, 8)])
+def test_mass_weight_keeps_the_candidates_with_the_most_attended_mass(g, c, k, t):
+    """rerank_weight="mass": each head's shares are weighted by its candidates' part
+    of its mass on the window and the candidates (the window's log-sum-exp drawn
+    per head over ~20 nats), so the kept set is the one with the most exact mass
+    summed over the group, not the most shares."""
+    x = _logits(g + c + 1, 2, g, c, t)
+    rng = np.random.default_rng(c)
+    wlse = (rng.normal(size=(2, 3, g)) * 6 + 6).astype(np.float32)
+    cfg = HiSparseConfig(page_size=t, budget_tokens=k * t, rerank_weight="mass",
+                         quest_floor_mass=1.0)
+    kept, _, _ = (np.asarray(a) for a in attention.rerank(
+        cfg, jnp.asarray(x), jnp.array([1000, 2000]), window_lse=jnp.asarray(wlse)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        page = np.log(np.exp(x[0].astype(np.float64)).sum(-1))           # [3, G, C]
+        total = np.logaddexp(np.log(np.exp(page).sum(-1)), wlse[0])    # [3, G]
+        mass = np.nan_to_num(np.exp(page - total[..., None])).sum(1)    # [3, C]
+    share = _group_share(x[0])
+    differs = 0
+    for h in range(3):
+        valid = np.flatnonzero(mass[h] > 0)
+        want = valid[np.argsort(-mass[h, valid])][:k]
+        got = kept[0, h][kept[0, h] >= 0]
+        assert set(got) == set(want) and len(got) == len(want)
+        differs += set(want) != set(valid[np.argsort(-share[h, valid])][:k])
+    if g > 1 and k < c:  # the weights change the choice (else the test proves nothing)
+        assert differs > 0
+    with pytest.raises(ValueError, match="window"):
+        attention.rerank(cfg, jnp.asarray(x), jnp.array([1000, 2000]))
+
+
 @pytest.mark.parametrize("seed,c,k,m", [(0, 48, 32, 8), (1, 37, 20, 4), (2, 30, 24, 16)])
 def test_rejected_mass_is_estimated_without_bias(seed, c, k, m):
     x = _logits(seed, ROWS, 4, c, 16)
