@@ -76,6 +76,7 @@ measured divergences are at a tenth of that.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -308,6 +309,7 @@ def test_bf16_reference_is_our_export(ref_bf16, model, tmp_path):
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
+    os.remove(path)  # 271 MB; pytest keeps its last runs' tmp_path folders
     assert h.hexdigest() == ref_bf16["source"]["sha256"]
     assert ref_bf16["source"]["kv_type"] == "bf16" and not ref_bf16["source"]["flash_attn"]
 
