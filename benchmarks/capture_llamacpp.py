@@ -13,6 +13,10 @@ AVX-VNNI, no AMX); this build works (about 10 minutes on 2 cores):
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF \
       -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF" pip install llama-cpp-python==0.3.36
 
+With -DGGML_AVX_VNNI=ON instead, loading works but evaluating the Q4_1 GGUF
+dies with SIGILL: `ggml_vec_dot_q4_1_q8_1` executes a VEX `vpdpbusd`, an
+AVX-VNNI instruction these CPUs lack (the BF16 GGUF's path does not use it).
+
 What is recorded (schema in `capture`):
 
 - `tokenize`: llama.cpp's `tokenize(text.encode(), add_bos=False, special=True)`
@@ -45,6 +49,29 @@ path is what `hisparse fetch` prints):
 
 `--speed` writes no file; it prints one JSON line per context with llama.cpp's
 prefill and decode speed (tokens/s) at that context.
+
+`--continuations` writes a second, small file (default
+`tests/data/llamacpp_smollm2_bf16.json`) from llama.cpp running the BF16 GGUF
+that `hisparse export` writes from the same model: every weight is the bf16
+value our model computes with, so the quantized arithmetic above (Q4_1 weights
+times Q8_1 activations) is gone from the comparison. llama.cpp multiplies BF16
+weights with activations it rounds to bf16 and accumulates in float32, as our
+`llama.matmul` does. `--kv-type bf16` also stores K/V in bf16 as we do
+(llama.cpp's attention then rounds the query and the probabilities to bf16 for
+its two products, where we keep both in float32; with `--flash-attn`, only the
+query). Recorded: for each chat prompt (the same messages and template as
+above), the 32 greedy ids and text, and at each step llama.cpp's own top-2
+margin (its largest logit minus its second); for each prompt of `logits` (chat
+prompts, then the raw texts), its last position's top 32 logits, logsumexp,
+mean and every 1024th logit. The prompt ids are not repeated: they are the main
+file's (`n_prompt` checks the length).
+
+    hisparse export --model smollm2-135m --format gguf smollm2-135m-bf16.gguf
+    OMP_WAIT_POLICY=passive nice -n 19 python benchmarks/capture_llamacpp.py \
+      --gguf smollm2-135m-bf16.gguf --continuations --kv-type bf16
+
+(`OMP_WAIT_POLICY=passive` changes only how idle OpenMP threads wait: on a
+shared machine two spinning ones took 7 minutes instead of 25 s.)
 """
 
 from __future__ import annotations
@@ -142,12 +169,22 @@ def sha256_of(path):
     return h.hexdigest()
 
 
-def load(gguf, threads, n_ctx=N_CTX):
+KV_TYPES = ("f16", "bf16", "f32")  # --kv-type: llama.cpp's K/V cache type (default f16)
+BF16_TOP_K = 32
+BF16_STRIDE = 1024
+
+
+def load(gguf, threads, n_ctx=N_CTX, kv_type=None, flash_attn=False):
     import llama_cpp
 
+    kv = {}
+    if kv_type is not None:  # a ggml_type; llama_cpp 0.3.36 lacks GGML_TYPE_BF16 (30)
+        from gguf import GGMLQuantizationType
+        t = int(GGMLQuantizationType[kv_type.upper()])
+        kv = {"type_k": t, "type_v": t}
     return llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads,
                            n_threads_batch=threads, logits_all=False, verbose=False,
-                           seed=0)
+                           seed=0, flash_attn=flash_attn, **kv)
 
 
 def last_logits(llm):
@@ -166,14 +203,18 @@ def eval_prompt(llm, ids):
     return last_logits(llm)
 
 
-def greedy(llm, prompt_ids, n=N_GREEDY):
-    """n greedy ids after prompt_ids and the logits at the prompt's last position."""
+def greedy(llm, prompt_ids, n=N_GREEDY, margins=None):
+    """n greedy ids after prompt_ids and the logits at the prompt's last position.
+    margins: a list that gets the top-2 margin of the logits at each step."""
     logits = eval_prompt(llm, prompt_ids)
     first = logits
     out = []
     for _ in range(n):
         tok = int(np.argmax(logits))
         out.append(tok)
+        if margins is not None:
+            top2 = np.sort(logits)[-2:]
+            margins.append(float(top2[1] - top2[0]))
         if len(out) == n:
             break
         llm.eval([tok])
@@ -220,15 +261,94 @@ def logits_record(prompt_ids, logits):
     }
 
 
-def capture(args):
-    import llama_cpp
+def r3(x):
+    return round(float(x), 3)
 
-    llm = load(args.gguf, args.threads)
+
+def compact_logits_record(prompt_ids, logits):
+    """A small `logits_record`: top BF16_TOP_K, every BF16_STRIDE-th logit."""
+    top = np.argsort(-logits, kind="stable")[:BF16_TOP_K]
+    lg = logits.astype(np.float64)
+    m = lg.max()
+    return {
+        "n_prompt": len(prompt_ids),
+        "top_ids": [int(t) for t in top],
+        "top_logits": [r4(logits[t]) for t in top],
+        "logsumexp": r4(m + np.log(np.exp(lg - m).sum())),
+        "mean": r4(lg.mean()),
+        "strided": [r4(v) for v in logits[::BF16_STRIDE]],
+    }
+
+
+def recorded_command(args):
+    """This run's command line without machine-specific paths: `python`, the
+    script relative to the repository, the GGUF by its file name."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]),
+                             os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = [os.path.basename(a) if a == args.gguf else a for a in sys.argv[1:]]
+    return shlex.join(["python", script] + argv)
+
+
+def open_model(args):
+    llm = load(args.gguf, args.threads, kv_type=args.kv_type, flash_attn=args.flash_attn)
     assert llm.n_vocab() == 49152, llm.n_vocab()
     assert llm.token_eos() == EOS_ID, llm.token_eos()
     template = llm.metadata["tokenizer.chat_template"]
     bos_token = llm._model.token_get_text(llm.token_bos())
     eos_token = llm._model.token_get_text(llm.token_eos())
+    return llm, template, bos_token, eos_token
+
+
+def source_record(args):
+    import llama_cpp
+
+    return {
+        "gguf": os.path.basename(args.gguf),
+        "sha256": sha256_of(args.gguf),
+        "llama_cpp_python": llama_cpp.__version__,
+        "kv_type": args.kv_type or "f16",
+        "flash_attn": args.flash_attn,
+        "threads": args.threads,
+        "command": recorded_command(args),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path, data):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False, separators=(",", ":"))
+        f.write("\n")
+    print(f"wrote {path}: {os.path.getsize(path)} bytes", file=sys.stderr)
+
+
+def capture_continuations(args):
+    """The small file of --continuations (see the module docstring)."""
+    llm, template, bos_token, eos_token = open_model(args)
+    chat_rows, logit_rows = [], []
+    for messages in CHAT_MESSAGES:
+        prompt_ids = tokenize(llm, render_chat(template, messages, bos_token, eos_token))
+        margins = []
+        ids, first = greedy(llm, prompt_ids, margins=margins)
+        text = llm.detokenize(ids, special=True).decode("utf-8", errors="replace")
+        chat_rows.append({"n_prompt": len(prompt_ids), "greedy_ids": ids, "greedy_text": text,
+                          "margins": [r3(m) for m in margins]})
+        logit_rows.append(compact_logits_record(prompt_ids, first))
+        print(f"chat {len(chat_rows)}: {len(prompt_ids)} prompt ids -> {text!r}",
+              file=sys.stderr, flush=True)
+    for text in RAW_TEXTS:
+        prompt_ids = tokenize(llm, text)
+        logit_rows.append(compact_logits_record(prompt_ids, eval_prompt(llm, prompt_ids)))
+    # Self-check: a second evaluation of a chat prompt gives the same logits.
+    prompt_ids = tokenize(llm, render_chat(template, CHAT_MESSAGES[0], bos_token, eos_token))
+    again = compact_logits_record(prompt_ids, eval_prompt(llm, prompt_ids))
+    assert again == logit_rows[0], "llama.cpp logits are not reproducible"
+    write_json(args.out or "tests/data/llamacpp_smollm2_bf16.json",
+               {"source": source_record(args), "chat": chat_rows, "logits": logit_rows})
+
+
+def capture(args):
+    llm, template, bos_token, eos_token = open_model(args)
 
     tok_rows = [{"text": t, "ids": tokenize(llm, t)} for t in TOKENIZE_TEXTS]
     by_text = {r["text"]: r["ids"] for r in tok_rows}
@@ -259,24 +379,9 @@ def capture(args):
     assert rec == logit_rows[0], "llama.cpp logits are not reproducible"
     assert chat_rows[0]["greedy_ids"][0] == rec["top_ids"][0]
 
-    command = shlex.join([sys.executable] + sys.argv)
-    data = {
-        "source": {
-            "gguf": os.path.basename(args.gguf),
-            "sha256": sha256_of(args.gguf),
-            "llama_cpp_python": llama_cpp.__version__,
-            "command": command,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        },
-        "tokenize": tok_rows,
-        "chat": chat_rows,
-        "logits": logit_rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False, separators=(",", ":"))
-        f.write("\n")
-    print(f"wrote {args.out}: {os.path.getsize(args.out)} bytes", file=sys.stderr)
+    write_json(args.out or "tests/data/llamacpp_smollm2.json",
+               {"source": source_record(args), "tokenize": tok_rows, "chat": chat_rows,
+                "logits": logit_rows})
 
 
 def speed(args):
@@ -297,7 +402,8 @@ def speed(args):
               "Here we go. There and back again.")
     text = " ".join([filler] * 1000)
     for context in args.contexts:
-        llm = load(args.gguf, args.threads, n_ctx=context + args.decode)
+        llm = load(args.gguf, args.threads, n_ctx=context + args.decode,
+                   kv_type=args.kv_type, flash_attn=args.flash_attn)
         ids = tokenize(llm, text)[:context]
         assert len(ids) == context
         eval_prompt(llm, ids[:32])  # warm-up
@@ -329,14 +435,25 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct.Q4_1.gguf")
-    p.add_argument("--out", default="tests/data/llamacpp_smollm2.json")
+    p.add_argument("--out", default=None, help="default: tests/data/llamacpp_smollm2.json, "
+                                               "with --continuations ..._bf16.json")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--speed", action="store_true", help="measure speed, write no file")
+    p.add_argument("--continuations", action="store_true",
+                   help="the small file of greedy continuations and logits (BF16 GGUF)")
+    p.add_argument("--kv-type", choices=KV_TYPES, default=None,
+                   help="llama.cpp's K/V cache type (default: its own, f16)")
+    p.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--decode", type=int, default=64, help="decode tokens timed (--speed)")
     p.add_argument("--reps", type=int, default=2, help="prefill repetitions (--speed)")
     args = p.parse_args()
-    speed(args) if args.speed else capture(args)
+    if args.speed:
+        speed(args)
+    elif args.continuations:
+        capture_continuations(args)
+    else:
+        capture(args)
 
 
 if __name__ == "__main__":

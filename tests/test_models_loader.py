@@ -22,7 +22,7 @@ from models_fixtures import (
 )
 
 from hisparse_jax.models import registry
-from hisparse_jax.models.export import export_hf
+from hisparse_jax.models.export import export_gguf, export_hf
 from hisparse_jax.models.gguf_loader import load_gguf, permute_rows, unpermute_rows
 from hisparse_jax.models.hf_loader import load_hf
 from hisparse_jax.models.llama import Llama, RopeScaling
@@ -317,6 +317,64 @@ def test_export_round_trip_tiny(tmp_path):
     assert tok2.chat_template == tok.chat_template and tok2.eos_ids[0] == 2
     with pytest.raises(ValueError, match="exists and is not an empty folder"):
         export_hf(model, out, tok)
+
+
+# ---------------------------------------------------------------- GGUF export
+
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q4_1"), ("qwen2", "Q8_0")])
+def test_export_gguf_round_trip_is_bit_identical(tmp_path, arch, qtype):
+    """export_gguf -> our GGUF loader: the model's bf16 weights bit for bit (llama:
+    Q/K rows permuted back to llama.cpp's order and undone again at load; qwen2:
+    with biases, not permuted), the source's metadata, names and tensor order."""
+    import gguf
+    cfg = tiny_config(qkv_bias=arch == "qwen2", tie_embeddings=arch == "qwen2")
+    src = write_gguf(tmp_path / "src.gguf", cfg, hf_weights(cfg, seed=7), qtype, arch=arch)
+    _, w, tok = load_gguf(str(src))
+    model = Llama(cfg, w)
+    out = export_gguf(model, str(tmp_path / "out" / "bf16.gguf"), str(src))
+    assert os.listdir(tmp_path / "out") == ["bf16.gguf"]
+    cfg2, w2, tok2 = load_gguf(out)
+    assert cfg2 == cfg
+    flat = lambda t: {**{k: v for k, v in t.items() if k != "layers"}, **t["layers"]}
+    a, b = flat(w), flat(w2)
+    assert sorted(b) == sorted(a) and ("lm_head" in a) == (arch == "llama")
+    for name, x in a.items():
+        assert b[name].dtype == x.dtype and b[name].shape == x.shape, name
+        np.testing.assert_array_equal(b[name].view(np.uint16), x.view(np.uint16), err_msg=name)
+    ids = [5, 77, 200, 31, 9]
+    np.testing.assert_array_equal(_logits(Llama(cfg2, w2), ids), _logits(model, ids))
+    text = "<|im_start|>the hat<|im_end|>"
+    assert tok2.encode(text) == tok.encode(text) and tok2.chat_template == tok.chat_template
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(out)
+    assert [t.name for t in b.tensors] == [t.name for t in a.tensors]
+    assert {t.name: t.tensor_type.name for t in b.tensors} == {
+        t.name: "F32" if len(t.shape) == 1 else "BF16" for t in a.tensors}
+    assert list(b.fields) == list(a.fields) + (["general.file_type"]
+                                               if "general.file_type" not in a.fields else [])
+    for key, field in a.fields.items():
+        if not key.startswith("GGUF."):
+            assert b.fields[key].contents() == field.contents(), key
+    assert b.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_BF16
+    with pytest.raises(ValueError, match="bf16.gguf: exists"):
+        export_gguf(model, out, str(src))
+    with pytest.raises(ValueError, match="config differs from its source"):
+        export_gguf(Llama(cfg.replace(rope_theta=5e5), w), str(tmp_path / "x.gguf"), str(src))
+
+
+def test_cli_export_gguf(tmp_path, capsys):
+    from hisparse_jax.cli import main
+    from tests.helpers import cli_error
+    cfg = tiny_config()
+    src = str(write_gguf(tmp_path / "src.gguf", cfg, hf_weights(cfg), "Q8_0"))
+    out = str(tmp_path / "bf16.gguf")
+    main(["export", "--model", src, "--format", "gguf", out])
+    assert capsys.readouterr().out.strip() == out
+    assert load_gguf(out)[0] == cfg
+    hf = str(tmp_path / "hf")
+    main(["export", "--model", src, hf])  # --format hf is the default
+    assert cli_error(capsys, ["export", "--model", hf, "--format", "gguf", str(tmp_path / "y")]) \
+        == f"hisparse export: error: --format gguf: --model {hf} is not a GGUF model (its " \
+           "metadata and tokenizer are copied from the source GGUF)"
 
 
 def test_hf_errors(tmp_path):

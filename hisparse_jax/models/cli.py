@@ -97,11 +97,19 @@ def add_rope_flags(p):
 
 
 def main_export(args):
-    from hisparse_jax.models.export import export_hf
-    from hisparse_jax.models.registry import load
+    from hisparse_jax.models.export import export_gguf, export_hf
+    from hisparse_jax.models.registry import load, resolve
     try:
-        model, tok = load(args.model)
-        print(export_hf(model, args.dir, tok))
+        if args.format == "gguf":
+            src = resolve(args.model)
+            if src.kind != "gguf":
+                _fail("export", f"--format gguf: --model {args.model} is not a GGUF model (its "
+                                "metadata and tokenizer are copied from the source GGUF)")
+            model, _ = load(args.model)
+            print(export_gguf(model, args.out, str(src.path)))
+        else:
+            model, tok = load(args.model)
+            print(export_hf(model, args.out, tok))
     except (ValueError, OSError) as e:
         _fail("export", e)
 
@@ -195,9 +203,13 @@ def add_model_parsers(subparsers):
     add_rope_flags(g)
     g.set_defaults(func=main_generate)
 
-    e = subparsers.add_parser("export", help="write a model as a bf16 HF checkpoint")
+    e = subparsers.add_parser("export", help="write a model's bf16 weights as an HF checkpoint "
+                                             "or a BF16 GGUF")
     e.add_argument("--model", required=True)
-    e.add_argument("--format", choices=("hf",), default="hf")
-    e.add_argument("dir", help="output folder (must not exist or be empty)")
+    e.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                   help="hf: a checkpoint folder; gguf: one BF16 GGUF file with the source "
+                        "GGUF's metadata (GGUF models only), for llama.cpp")
+    e.add_argument("out", help="output folder (hf: must not exist or be empty) or file "
+                               "(gguf: must not exist)")
     e.set_defaults(func=main_export)
     return subparsers

@@ -1,8 +1,22 @@
-"""`export_hf`: a model as a bf16 HF checkpoint (LlamaForCausalLM) that transformers,
-vLLM and our own `hf_loader` read. The model already holds HF's Q/K row order
-(gguf_loader undoes llama.cpp's permutation), so the weights are written as they
-are, transposed to HF's [out, in]. Everything is written into a temporary folder
-beside `out_dir`, which is then renamed into place."""
+"""A model's weights, exactly as it computes with them (bf16), in two formats:
+
+- `export_hf`: a bf16 HF checkpoint (LlamaForCausalLM) that transformers, vLLM
+  and our own `hf_loader` read. The model already holds HF's Q/K row order
+  (gguf_loader undoes llama.cpp's permutation), so the weights are written as
+  they are, transposed to HF's [out, in]. Everything is written into a temporary
+  folder beside `out_dir`, which is then renamed into place.
+- `export_gguf`: a BF16 GGUF that llama.cpp runs, for a model loaded from a GGUF
+  (the source): every tensor of the source, in its order, layout ([out, in]) and
+  Q/K row order (llama.cpp's, permuted again), holds the model's bf16 weights:
+  matrices and the embedding as BF16, 1-D tensors (norms, biases) as F32 holding
+  the same bf16 values (llama.cpp's converter keeps 1-D tensors F32). All the
+  source's metadata (hyperparameters, tokenizer, chat template) is copied, with
+  `general.file_type` set to MOSTLY_BF16. Reading the file back with
+  `gguf_loader` gives the model's weights bit for bit, so llama.cpp on this file
+  and our model multiply the same numbers; on a quantized source this removes
+  the difference in arithmetic (llama.cpp multiplies quantized weights with
+  8-bit activations) from a comparison of the two.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +27,12 @@ import tempfile
 
 import numpy as np
 
+from hisparse_jax.models.gguf_loader import (
+    ARCHITECTURES,
+    LAYER_TENSORS,
+    permute_rows,
+    read_config,
+)
 from hisparse_jax.models.hf_loader import HF_LAYER_NAMES, HF_NAMES
 from hisparse_jax.models.llama import Llama, layer_shapes
 from hisparse_jax.models.tokenizer import Tokenizer
@@ -93,3 +113,86 @@ def export_hf(model: Llama, out_dir: str, tokenizer: Tokenizer | None = None) ->
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def gguf_tensors(model: Llama, permuted: bool) -> dict[str, np.ndarray]:
+    """GGUF name -> the model's weight in GGUF numpy layout ([out, in] matrices,
+    [vocab, hidden] embedding), bf16; Q/K rows in llama.cpp's order if `permuted`."""
+    w, cfg = model.weights(), model.cfg
+    heads = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads,
+             "bk": cfg.num_kv_heads}
+    out = {"token_embd.weight": np.asarray(w["embed"]),
+           "output_norm.weight": np.asarray(w["norm"])}
+    if "lm_head" in w:
+        out["output.weight"] = np.asarray(w["lm_head"]).T
+    for gguf_name, name in LAYER_TENSORS.items():
+        if name not in w["layers"]:
+            continue
+        stacked = np.asarray(w["layers"][name])
+        for i in range(cfg.num_layers):
+            x = stacked[i].T if stacked[i].ndim == 2 else stacked[i]
+            if permuted and name in heads:
+                x = permute_rows(x, heads[name])
+            out[f"blk.{i}.{gguf_name}"] = np.ascontiguousarray(x)
+    return out
+
+
+def export_gguf(model: Llama, path: str, source: str) -> str:
+    """Write the model as a BF16 GGUF to `path` (which must not exist), with the
+    metadata and tensor names of `source`, the GGUF it was loaded from (see the
+    module docstring). Returns path."""
+    import gguf
+    import ml_dtypes
+
+    from hisparse_jax.models.gguf_loader import _File
+
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        raise ValueError(f"{path}: exists")
+    src = _File(source)
+    cfg = read_config(src)
+    if cfg != model.cfg:
+        raise ValueError(f"{source}: the model's config differs from its source GGUF's "
+                         "(overridden or truncated?); export it as loaded")
+    arch = src.get("general.architecture")
+    tensors = gguf_tensors(model, ARCHITECTURES[arch][0])
+    names = list(src.tensors)
+    if sorted(names) != sorted(tensors):
+        missing = sorted(set(names) ^ set(tensors))
+        raise ValueError(f"{source}: tensors do not match the model's: {', '.join(missing[:4])}")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        for field in src.reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue  # the writer's own
+            kind = field.types[0]
+            if field.name == gguf.Keys.General.FILE_TYPE:
+                w.add_key_value(field.name, int(gguf.LlamaFileType.MOSTLY_BF16), kind)
+                continue
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        if gguf.Keys.General.FILE_TYPE not in src.reader.fields:
+            w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+        for name in names:
+            x = np.ascontiguousarray(tensors[name])
+            assert x.dtype == ml_dtypes.bfloat16, (name, x.dtype)
+            if x.ndim == 1:
+                w.add_tensor(name, x.astype(np.float32))  # exact: bf16 values in F32
+            else:
+                w.add_tensor(name, x.view(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
