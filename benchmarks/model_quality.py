@@ -335,6 +335,21 @@ def run_nexttoken(model, tok, args, out):
     return summary
 
 
+def _field_value(kv: str) -> tuple[str, str]:
+    if "=" not in kv:
+        raise argparse.ArgumentTypeError(f"{kv!r}: expected FIELD=VALUE")
+    return tuple(kv.split("=", 1))
+
+
+def _number_or_text(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("task", choices=("passkey", "nexttoken"))
@@ -351,7 +366,7 @@ def main(argv=None):
                    help="nexttoken: also a dense engine's decode (128 steps) against the "
                         "exact forward")
     p.add_argument("--set", nargs="+", default={}, metavar="FIELD=VALUE",
-                   type=lambda kv: kv.split("=", 1),
+                   type=_field_value,
                    help="nexttoken: HiSparse cache overrides (e.g. tail_sample_pages=0)")
     p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
                    help="e.g. llama3:4 or linear:2 (trained length: the model's)")
@@ -360,7 +375,7 @@ def main(argv=None):
                    help="passkey: leave out each length's first N examples (resume a run)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
-    args.set = {k: float(v) if "." in v else int(v) for k, v in args.set}
+    args.set = {k: _number_or_text(v) for k, v in args.set}
     model, tok = load(args.model, rope_scaling=args.rope_scaling)
     with contextlib.ExitStack() as stack:
         out = sys.stdout if args.out == "-" else stack.enter_context(open(args.out, "a"))

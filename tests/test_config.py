@@ -11,6 +11,7 @@ from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset, re
     ("value_group", 48), ("max_context", 1000), ("num_kv_heads", 0), ("bound_share", 1.5),
     ("max_seqs", -1), ("num_pool_pages", 0), ("rerank_multiple", 0.5),
     ("rerank_multiple", float("nan")), ("rerank_sample_pages", -1), ("rerank_sample_pages", 1.5),
+    ("rerank_weight", "mas"), ("rerank_weight", None),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
