@@ -246,38 +246,28 @@ def r4(x):
     return round(float(x), 4)
 
 
-def logits_record(prompt_ids, logits):
-    top = np.argsort(-logits, kind="stable")[:TOP_K]
+def logits_record(prompt_ids, logits, *, compact: bool = False):
+    """Last-position logits: the top TOP_K and every STRIDE-th, the prompt's ids;
+    compact: the top BF16_TOP_K and every BF16_STRIDE-th, the prompt's length."""
+    top_k, stride = (BF16_TOP_K, BF16_STRIDE) if compact else (TOP_K, STRIDE)
+    top = np.argsort(-logits, kind="stable")[:top_k]
     lg = logits.astype(np.float64)
     m = lg.max()
+    prompt = ({"n_prompt": len(prompt_ids)} if compact
+              else {"prompt_ids": [int(t) for t in prompt_ids]})
     return {
-        "prompt_ids": [int(t) for t in prompt_ids],
+        **prompt,
         "top_ids": [int(t) for t in top],
         "top_logits": [r4(logits[t]) for t in top],
         "logsumexp": r4(m + np.log(np.exp(lg - m).sum())),
         "mean": r4(lg.mean()),
-        "std": r4(lg.std()),
-        "strided": [r4(v) for v in logits[::STRIDE]],
+        **({} if compact else {"std": r4(lg.std())}),
+        "strided": [r4(v) for v in logits[::stride]],
     }
 
 
 def r3(x):
     return round(float(x), 3)
-
-
-def compact_logits_record(prompt_ids, logits):
-    """A small `logits_record`: top BF16_TOP_K, every BF16_STRIDE-th logit."""
-    top = np.argsort(-logits, kind="stable")[:BF16_TOP_K]
-    lg = logits.astype(np.float64)
-    m = lg.max()
-    return {
-        "n_prompt": len(prompt_ids),
-        "top_ids": [int(t) for t in top],
-        "top_logits": [r4(logits[t]) for t in top],
-        "logsumexp": r4(m + np.log(np.exp(lg - m).sum())),
-        "mean": r4(lg.mean()),
-        "strided": [r4(v) for v in logits[::BF16_STRIDE]],
-    }
 
 
 def recorded_command(args):
@@ -333,15 +323,15 @@ def capture_continuations(args):
         text = llm.detokenize(ids, special=True).decode("utf-8", errors="replace")
         chat_rows.append({"n_prompt": len(prompt_ids), "greedy_ids": ids, "greedy_text": text,
                           "margins": [r3(m) for m in margins]})
-        logit_rows.append(compact_logits_record(prompt_ids, first))
+        logit_rows.append(logits_record(prompt_ids, first, compact=True))
         print(f"chat {len(chat_rows)}: {len(prompt_ids)} prompt ids -> {text!r}",
               file=sys.stderr, flush=True)
     for text in RAW_TEXTS:
         prompt_ids = tokenize(llm, text)
-        logit_rows.append(compact_logits_record(prompt_ids, eval_prompt(llm, prompt_ids)))
+        logit_rows.append(logits_record(prompt_ids, eval_prompt(llm, prompt_ids), compact=True))
     # Self-check: a second evaluation of a chat prompt gives the same logits.
     prompt_ids = tokenize(llm, render_chat(template, CHAT_MESSAGES[0], bos_token, eos_token))
-    again = compact_logits_record(prompt_ids, eval_prompt(llm, prompt_ids))
+    again = logits_record(prompt_ids, eval_prompt(llm, prompt_ids), compact=True)
     assert again == logit_rows[0], "llama.cpp logits are not reproducible"
     write_json(args.out or "tests/data/llamacpp_smollm2_bf16.json",
                {"source": source_record(args), "chat": chat_rows, "logits": logit_rows})
