@@ -244,6 +244,8 @@ def _compare(lp, dense):
 def _reference_selection(model, docs, dense_lp, cname, kw, args, out):
     """One forward pass per document with a reference selection's attention."""
     from hisparse_jax.config import HiSparseConfig
+    if args.score_from % ORACLE_QUERY_CHUNK:
+        raise SystemExit(f"{cname}: --score-from must be a multiple of {ORACLE_QUERY_CHUNK}")
     mc = model.cfg
     cfg = HiSparseConfig(num_kv_heads=mc.num_kv_heads, gqa_group=mc.group,
                          head_dim=mc.head_dim, max_context=args.tokens,
