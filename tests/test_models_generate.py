@@ -116,6 +116,24 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
                                         str(tmp_path / "hf")]))
 
 
+def test_bench_generate_rows(model, monkeypatch, capsys):
+    """`hisparse bench generate --json`: a HiSparse row per --rerank-multiple value
+    and a dense row, each with its command; two prefill blocks (600 > 512 tokens)."""
+    import json
+    monkeypatch.setattr(registry, "load", lambda name, **kw: model)
+    argv = ["bench", "generate", "--context", "600", "--batch", "2", "--engines",
+            "hisparse,dense", "--rerank-multiple", "1,2", "--decode", "2", "--json"]
+    main(argv)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["engine"], r["rerank_multiple"]) for r in rows] == [
+        ("hisparse", 1), ("hisparse", 2), ("dense", None)]
+    for r in rows:
+        assert (r["context"], r["batch"], r["model"]) == (600, 2, "smollm2-135m")
+        assert r["budget_tokens"] == (64 if r["engine"] == "hisparse" else None)
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+        assert r["command"].endswith(" ".join(argv[1:]))
+
+
 def test_export_round_trip_is_bit_identical(model, tmp_path):
     """export_hf -> our HF loader: the same config, tokenizer and logits, bit for bit."""
     from hisparse_jax.models.export import export_hf

@@ -37,11 +37,13 @@ def prompt(tok, vocab_size: int, context: int) -> np.ndarray:
     return ids[:context]
 
 
-def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: int) -> dict:
+def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: int,
+            rerank_multiple: float | None = None) -> dict:
     from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
     context = len(ids)
+    over = {} if rerank_multiple is None else {"rerank_multiple": rerank_multiple}
     engine = Engine(model, max_seqs=batch, max_context=context + decode + 1,
-                    attention=attention, budget_tokens=budget_tokens)
+                    attention=attention, budget_tokens=budget_tokens, cache_overrides=over)
     compile_s = engine.warmup(context)
     t0 = time.perf_counter()
     blocks = engine.prefill_blocks(context)
@@ -59,6 +61,8 @@ def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: 
     t3 = time.perf_counter()
     return {"engine": attention, "context": context, "batch": batch,
             "budget_tokens": budget_tokens if attention == "hisparse" else None,
+            "rerank_multiple": engine.cache_cfg.rerank_multiple if attention == "hisparse"
+            else None,
             "prefill_tok_s": round(context / (t1 - t0), 1),
             "fill_s": round(t2 - t1, 1),
             "decode_tok_s": round(batch * decode / (t3 - t2), 2),
@@ -94,6 +98,7 @@ def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
     t2 = time.perf_counter()
     del llm
     return {"engine": "llamacpp", "context": context, "batch": 1, "budget_tokens": None,
+            "rerank_multiple": None,
             "prefill_tok_s": round(context / (t1 - t0), 1),
             "decode_tok_s": round(decode / (t2 - t1), 2),
             "decode_ms_per_step": round(1e3 * (t2 - t1) / decode, 1),
@@ -103,9 +108,11 @@ def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
 
 def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
         budget_tokens: int | None = None, threads: int = 2, log=print,
-        **overrides) -> Iterator[dict]:
+        rerank_multiples=(None,), **overrides) -> Iterator[dict]:
     """Rows, one per (context, batch, engine); llama.cpp once per context (batch 1).
-    budget_tokens None: a 16th of each context (a multiple of 16, at least 64)."""
+    budget_tokens None: a 16th of each context (a multiple of 16, at least 64).
+    HiSparse gets a row per rerank_multiples value (None: the config's default),
+    so that candidate counts are timed side by side."""
     from hisparse_jax.models.registry import load, resolve
     src = resolve(model_name)
     if "llamacpp" in engines and overrides:
@@ -127,8 +134,12 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
                 if engine == "llamacpp":
                     if batch != min(batches):
                         continue
-                    row = measure_llamacpp(str(src.path), ids, decode, threads)
+                    rows = [measure_llamacpp(str(src.path), ids, decode, threads)]
+                elif engine == "hisparse":
+                    rows = [measure(model, ids, engine, batch, decode, budget, m)
+                            for m in rerank_multiples]
                 else:
-                    row = measure(model, ids, engine, batch, decode, budget)
-                row.update(model=model_name, load_avg_1m=round(os.getloadavg()[0], 2))
-                yield row
+                    rows = [measure(model, ids, engine, batch, decode, budget)]
+                for row in rows:
+                    row.update(model=model_name, load_avg_1m=round(os.getloadavg()[0], 2))
+                    yield row

@@ -17,6 +17,7 @@ from hisparse_jax.cli.args import (
     int_list,
     nonnegative_int,
     number,
+    number_list,
     positive_int,
 )
 
@@ -131,13 +132,16 @@ def main_bench_generate(args):
                                 "of 16 (the page size)")
     if min(args.context) < 64:
         _fail("bench generate", f"--context {min(args.context)}: at least 64 tokens")
-    cols = ("engine", "context", "batch", "budget_tokens", "prefill_tok_s", "decode_tok_s",
+    cols = ("engine", "context", "batch", "budget_tokens", "rerank_multiple", "prefill_tok_s",
+            "decode_tok_s",
             "decode_ms_per_step", "compile_s")
     if not args.json:
         print(" ".join(f"{c:>14}" for c in cols))
     try:
         for row in run(args.model, args.context, args.batch, engines, args.decode,
-                       args.budget_tokens, args.threads, log=_log, **rope_overrides(args)):
+                       args.budget_tokens, args.threads, log=_log,
+                       rerank_multiples=args.rerank_multiple or (None,),
+                       **rope_overrides(args)):
             row["command"] = args.command_line
             if args.json:
                 print(json.dumps(row), flush=True)
@@ -165,6 +169,9 @@ def add_model_bench_parsers(bench_subparsers):
                    help="decode steps timed")
     b.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
                    help="HiSparse cold tokens per KV head (default: a 16th of the context)")
+    b.add_argument("--rerank-multiple", type=number_list(1.0), default=None, metavar="X,Y,...",
+                   help="HiSparse candidates per budget page, a row each (default: the "
+                        "config's)")
     b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
     b.add_argument("--json", action="store_true", help="one JSON line per row")
     add_rope_flags(b)
