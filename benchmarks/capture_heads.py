@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharp_heads import compare, config_overrides, summarize
 
 from hisparse_jax.attention import causal_prefill_attention
-from hisparse_jax.config import preset
+from hisparse_jax.config import PRESETS, preset
 from hisparse_jax.evaluation import config_for
 from hisparse_jax.models.prompts import FILLER, INTRO, QUESTION, needle
 
@@ -112,6 +112,8 @@ def main(argv=None):
     p.add_argument("--sharp-mass", type=float, default=0.5)
     p.add_argument("--save-dir", help="write <prompt>_layer<L>.npz for layers with sharp heads")
     p.add_argument("--per-head", action="store_true", help="print a row per sharp head")
+    p.add_argument("--preset", default="model", choices=sorted(PRESETS),
+                   help="the config compared (default: what models.Engine runs)")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="HiSparse config overrides (e.g. rerank_multiple=1)")
     args = p.parse_args(argv)
@@ -134,7 +136,7 @@ def main(argv=None):
         print(json.dumps({"prompt": tag, "desc": desc, "tokens": len(ids), "context": s,
                           "queries": args.queries, "budget_tokens": budget,
                           "next_token_top3": top}), flush=True)
-        cfg = config_for(preset("default", budget_tokens=budget, **over), k[0],
+        cfg = config_for(preset(args.preset, budget_tokens=budget, **over), k[0],
                          q.shape[2] // k.shape[2])
         rows_all = []
         for layer in (args.layers if args.layers is not None else range(q.shape[0])):

@@ -4,6 +4,7 @@ attended pages against plain Quest's and the oracle's at the same budget.
     python benchmarks/sharp_heads.py --context 8192 --gqa 3 --seeds 0 1 2 3
     python benchmarks/sharp_heads.py --qkv captured.npz           # a capture (hisparse eval's format)
     python benchmarks/sharp_heads.py --qkv captured.npz --budget-tokens 512 --per-head
+    python benchmarks/sharp_heads.py --gqa 4 --seeds 0 1 2 --preset model   # the model engine's config
 
 Plain Quest (`quest_pages`): per KV head, the budget's cold pages with the highest
 group maximum of the upper bound sum_d max(q_d lo_d, q_d hi_d) over each page's
@@ -25,7 +26,7 @@ import numpy as np
 
 from hisparse_jax import attention
 from hisparse_jax.cache import HiSparseCache
-from hisparse_jax.config import HiSparseConfig, preset
+from hisparse_jax.config import PRESETS, HiSparseConfig, preset
 from hisparse_jax.evaluation import ExactMass, config_for
 from hisparse_jax.workloads import make_sharp_workload
 
@@ -155,6 +156,8 @@ def main(argv=None):
                    help="cold budget per KV head (default: a 16th of the context)")
     p.add_argument("--sharp-mass", type=float, default=SHARP_MASS)
     p.add_argument("--per-head", action="store_true", help="also print a row per sharp head")
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="the config (\"model\": what models.Engine runs)")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="config overrides (e.g. rerank_multiple=1)")
     args = p.parse_args(argv)
@@ -172,13 +175,14 @@ def main(argv=None):
     for name, q, k, v, extra in cases:
         s = k.shape[0]
         budget = args.budget_tokens or max(16, s // 16 // 16 * 16)
-        base = preset("default", budget_tokens=budget, **over)
+        base = preset(args.preset, budget_tokens=budget, **over)
         cfg = config_for(base, np.asarray(k), q.shape[1] // k.shape[1])
         rows, recalls = compare(cfg, q, k, v, args.sharp_mass)
         if args.per_head:
             for r in rows:
                 print(json.dumps({"workload": name, **extra, **r}), flush=True)
         print(json.dumps(summarize(rows, recalls, name, **extra, budget_tokens=budget,
+                                   preset=args.preset,
                                    **({"set": args.set} if args.set else {}))), flush=True)
 
 

@@ -6,7 +6,8 @@ after a dense call), all calls interleaved in one process:
     python benchmarks/time_selection.py --context 131072 --repeats 15 --baseline attention_before.py
 
 --baseline is a copy of hisparse_jax/attention.py from before a change; without it,
-peak_pages=0 (the sharp-head candidates off) stands in for it.
+peak_pages=0 (the sharp-head candidates off) stands in for it. --before-set gives
+the before step its own config fields (a changed default, e.g. rerank_multiple=1.25).
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import sys
 
 import numpy as np
 
 from hisparse_jax import attention
 from hisparse_jax.bench import _time_interleaved, random_decode_case
 from hisparse_jax.config import preset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sharp_heads import config_overrides
 
 
 def main(argv=None):
@@ -28,6 +34,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--baseline", help="path of an older attention.py")
+    p.add_argument("--before-set", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="config fields of the before step only")
     args = p.parse_args(argv)
     cfg = preset("default").replace(max_context=args.context, max_seqs=1, num_pool_pages=None)
     st, q, dense = random_decode_case(cfg, args.context)
@@ -35,9 +43,10 @@ def main(argv=None):
         spec = importlib.util.spec_from_file_location("attention_baseline", args.baseline)
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
-        before = lambda: base.decode_attention(cfg, st, q, implementation="xla")
+        old = cfg.replace(**config_overrides(args.before_set))
+        before = lambda: base.decode_attention(old, st, q, implementation="xla")
     else:
-        off = cfg.replace(peak_pages=0)
+        off = cfg.replace(peak_pages=0, **config_overrides(args.before_set))
         before = lambda: attention.decode_attention(off, st, q, implementation="xla")
     fns = [dense, before, dense, lambda: attention.decode_attention(cfg, st, q,
                                                                     implementation="xla")]
@@ -46,7 +55,8 @@ def main(argv=None):
     print(json.dumps({"context": args.context, "dense_ms": round(dense_ms, 2),
                       "before_ms": round(times[1], 2), "after_ms": round(times[3], 2),
                       "speedup_before": round(dense_ms / times[1], 2),
-                      "speedup_after": round(dense_ms / times[3], 2)}))
+                      "speedup_after": round(dense_ms / times[3], 2),
+                      **({"before_set": args.before_set} if args.before_set else {})}))
 
 
 if __name__ == "__main__":

@@ -131,7 +131,9 @@ def _select(cfg, state, q, implementation):
     pages_b = jnp.concatenate([pages_b, side], axis=-1)
     top_b = top_b.reshape(*top_b.shape[:2], -1)
     pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
-    if cfg.peak_pages > 0 and cfg.budget_tokens != FULL_BUDGET:
+    peak = cfg.peak_pages > 0 and cfg.budget_tokens != FULL_BUDGET
+    lead = cfg.quest_lead_pages if cfg.budget_tokens != FULL_BUDGET else 0
+    if peak or lead:
         # Peaked bounds (issue 14): when a head's bound sets pages far apart from
         # its bulk, it has more contenders than its split holds, and the centre
         # cannot judge them (a range wide in a few channels has a centre near zero
@@ -141,8 +143,10 @@ def _select(cfg, state, q, implementation):
         # of its pages past the budget), and the re-rank's exact scores choose.
         # (Quest's top-k only when some group needs it: XLA:CPU's top_k over the
         # pages costs about 0.6 ms per step at 128K.)
+        # Every group leads with `lead` of them (cfg.quest_lead): its floor can
+        # then always reach Quest's set, with or without a far page.
         kq = k
-        extra = _peak_pages(cfg, bound, kq)                           # [B, Hkv]
+        extra = jnp.maximum(_peak_pages(cfg, bound, kq) if peak else 0, lead)  # [B, Hkv]
 
         def quest(bound):
             top_q, pages_q = jax.lax.top_k(jnp.max(bound, axis=2), kq)  # [B, Hkv, kq]
@@ -153,7 +157,8 @@ def _select(cfg, state, q, implementation):
             shape = bound.shape[:2] + (kq,)
             return jnp.full(shape, -jnp.inf, top_b.dtype), jnp.zeros(shape, pages_b.dtype)
 
-        top_q, pages_q = jax.lax.cond(jnp.any(extra > 0), quest, no_quest, bound)
+        top_q, pages_q = (quest(bound) if lead > 0 else
+                          jax.lax.cond(jnp.any(extra > 0), quest, no_quest, bound))
         top_b = jnp.concatenate([top_q, top_b], axis=-1)
         pages_b = jnp.concatenate([pages_q, pages_b], axis=-1)
     # A page picked twice is kept once (`dup` marks its other copies): its best copy,

@@ -33,7 +33,7 @@ def _add_rerank_flags(p):
                         "preset's, 32; 0 = selection only)")
     p.add_argument("--rerank-multiple", type=number(1.0), default=None, metavar="X",
                    help="candidate pages per budget page, re-ranked by their int4 keys "
-                        "(default: the preset's, 1.25; 1 = no re-rank)")
+                        "(default: the preset's: 1.25, 2 in 'model'; 1 = no re-rank)")
 
 
 def build_parser() -> Parser:

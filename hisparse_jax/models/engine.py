@@ -46,7 +46,7 @@ from hisparse_jax import attention as att
 from hisparse_jax import layout, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
-from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
 from hisparse_jax.offload import ColdStore
@@ -366,7 +366,7 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
         if attention == "hisparse":
-            self.cache_cfg = HiSparseConfig(
+            self.cache_cfg = preset("model").replace(
                 num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
                 max_context=-(-max_context // 16) * 16, max_seqs=max_seqs,
                 budget_tokens=budget_tokens, **(cache_overrides or {}))
