@@ -75,8 +75,10 @@ def run_passkey(model, tok, args, out):
         engines = {n: Engine(model, max_context=context, **kw) for n, kw in cfgs.items()}
         hits = dict.fromkeys(cfgs, 0)
         # --skip: resume a run (the same seeded depths and keys, the first ones done)
-        bar = tqdm(list(zip(depths, keys))[args.skip:], desc=f"passkey {length}",
-                   file=sys.stderr)
+        todo = list(zip(depths, keys))[args.skip:]
+        if args.only:  # --only: these examples (indices into the seeded list) alone
+            todo = [x for i, x in enumerate(zip(depths, keys)) if i in args.only]
+        bar = tqdm(todo, desc=f"passkey {length}", file=sys.stderr)
         for depth, key in bar:
             ids = passkey_ids(tok, length, float(depth), int(key))
             dense = engines["dense"]
@@ -99,7 +101,7 @@ def run_passkey(model, tok, args, out):
             del kv
             print(json.dumps(row), file=out, flush=True)
             bar.set_postfix({n: h for n, h in hits.items()})
-        summary[length] = {n: f"{h}/{args.examples - args.skip}" for n, h in hits.items()}
+        summary[length] = {n: f"{h}/{len(todo)}" for n, h in hits.items()}
         del engines
     return summary
 
@@ -375,6 +377,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", type=int, default=0, metavar="N",
                    help="passkey: leave out each length's first N examples (resume a run)")
+    p.add_argument("--only", type=int, nargs="+", default=None, metavar="I",
+                   help="passkey: only these examples (0-based, of --examples)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
     args.set = {k: _number_or_text(v) for k, v in args.set}
