@@ -71,6 +71,9 @@ def run_passkey(model, tok, args, out):
         keys = rng.integers(10000, 100000, args.examples)
         context = -(-(length + ANSWER_TOKENS + 1) // 256) * 256
         cfgs = configs(length, args.fractions)
+        for kw in cfgs.values():
+            if args.set and kw.get("attention") == "hisparse":
+                kw["cache_overrides"] = dict(args.set)
         cfgs["sink+window"] = SINK_WINDOW
         engines = {n: Engine(model, max_context=context, **kw) for n, kw in cfgs.items()}
         hits = dict.fromkeys(cfgs, 0)
@@ -86,7 +89,7 @@ def run_passkey(model, tok, args, out):
             kv = dense.kv(0)
             row = {"task": "passkey", "length": length, "tokens": len(ids),
                    "depth": round(float(depth), 3), "key": int(key),
-                   "rope_scaling": args.rope_scaling}
+                   "rope_scaling": args.rope_scaling, **({"set": args.set} if args.set else {})}
             for name, eng in engines.items():
                 if eng is not dense:
                     eng.prefill_kv(0, *kv, first)
@@ -371,7 +374,8 @@ def main(argv=None):
                         "exact forward")
     p.add_argument("--set", nargs="+", default={}, metavar="FIELD=VALUE",
                    type=_field_value,
-                   help="nexttoken: HiSparse cache overrides (e.g. tail_sample_pages=0)")
+                   help="HiSparse cache overrides (e.g. tail_sample_pages=0; passkey: the "
+                        "1/F budgets, not sink + window)")
     p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
                    help="e.g. llama3:4 or linear:2 (trained length: the model's)")
     p.add_argument("--seed", type=int, default=0)

@@ -366,6 +366,7 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
         if attention == "hisparse":
+            # The "model" preset's selection (config.PRESETS says why), the model's shapes
             self.cache_cfg = preset("model").replace(
                 num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
                 max_context=-(-max_context // 16) * 16, max_seqs=max_seqs,
