@@ -385,6 +385,8 @@ def main(argv=None):
                    help="passkey: only these examples (0-based, of --examples)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
+    if args.only and args.skip:
+        p.error("--only and --skip: give one")
     args.set = {k: _number_or_text(v) for k, v in args.set}
     model, tok = load(args.model, rope_scaling=args.rope_scaling)
     with contextlib.ExitStack() as stack:

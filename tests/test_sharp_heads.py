@@ -149,10 +149,10 @@ def test_groups_without_far_bound_pages_select_as_before():
 def test_candidates_hold_quests_pages_without_a_far_page(kinds, seed):
     """quest_lead (the "model" preset): every group's candidates hold plain Quest's
     budget set (the group maximum of the digest bound), so the re-rank's floor
-    can reach it. SmolLM2's
-    worst sharp head (passkey 0.5, layer 22, head 7: 0.872 against Quest's 0.933)
-    sat in a group with no far page, 25 of Quest's 31 pages not candidates; here
-    too the split alone (quest_lead=0) leaves Quest's pages out."""
+    can reach it. SmolLM2's worst sharp head (passkey 0.5, layer 22, head 7: 0.872
+    against Quest's 0.933) sat in a group with no far page, 25 of Quest's 31
+    pages not candidates; here too the split alone (quest_lead=0) leaves Quest's
+    pages out."""
     w = make_workload(context=8192, num_kv_heads=1, gqa_group=3, head_dim=64, num_queries=3,
                       kinds=kinds, seed=seed)
     cfg = config_for(preset("model", budget_tokens=512), w.k, 3)

@@ -133,8 +133,7 @@ def main_bench_generate(args):
     if min(args.context) < 64:
         _fail("bench generate", f"--context {min(args.context)}: at least 64 tokens")
     cols = ("engine", "context", "batch", "budget_tokens", "rerank_multiple", "prefill_tok_s",
-            "decode_tok_s",
-            "decode_ms_per_step", "compile_s")
+            "decode_tok_s", "decode_ms_per_step", "compile_s")
     if not args.json:
         print(" ".join(f"{c:>14}" for c in cols))
     try:
