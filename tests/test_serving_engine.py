@@ -220,12 +220,19 @@ def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids
     assert eng.prefix_stats()["pinned_pages"] == 0 and eng.pool_usage()[0] == 0
 
 
-@pytest.mark.parametrize("attention", ["hisparse", "dense"])
-def test_a_narrow_decode_step_equals_the_full_one(model, long_ids, attention):
+@pytest.mark.parametrize(("attention", "text"), [("hisparse", "grass"), ("dense", "grass"),
+                                               ("hisparse", "gpl")])
+def test_a_narrow_decode_step_equals_the_full_one(model, long_ids, attention, text):
     """At low concurrency a decode step computes only the slots up to the highest
     active one, rounded up to a width (4, 8): slot 0's tokens and logits are
-    bit-equal whether it decodes alone (width 4) or beside 7 others (width 8)."""
-    ids = list(long_ids[:600])  # cold pages, a sparse selection
+    bit-equal whether it decodes alone (width 4) or beside 7 others (width 8).
+    (On the GPL's text they were 0.08 apart from the third step until the model's
+    RMSNorm padded its rows: `test_rms_norm_of_a_row_does_not_depend_on_the_batch`.)"""
+    if text == "gpl":
+        with open("/usr/share/common-licenses/GPL-3") as f:
+            ids = model[1].encode(f.read())[:600]
+    else:
+        ids = list(long_ids[:600])  # cold pages, a sparse selection
     alone, full = (Engine(model[0], max_seqs=8, max_context=1024, attention=attention)
                    for _ in range(2))
     assert alone.decode_widths() == [4, 8]

@@ -197,34 +197,14 @@ def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offloa
 def _chunk_attention(q, ks, vs, start):
     """Exact causal attention of one query block q [C, Hq, D] at positions
     start..start+C (start a multiple of C) over the staged K/V [S, Hkv, D] (bf16,
-    this block's already written). The same online softmax, in the same order,
-    as `causal_prefill_attention`'s query block start // C, so a prompt prefilled
-    block by block gets the same numbers as in one program."""
-    c, hq, d = q.shape
-    hkv = ks.shape[1]
-    g = hq // hkv
-    scale = 1.0 / np.sqrt(d)
-    qi = q.astype(jnp.float32).reshape(c, hkv, g, d)
-    i = start // c
-    local = jnp.arange(c)
-
-    def body(j, carry):
-        m, l, acc = carry
-        kj = jax.lax.dynamic_slice_in_dim(ks, j * c, c).astype(jnp.float32)
-        vj = jax.lax.dynamic_slice_in_dim(vs, j * c, c).astype(jnp.float32)
-        s = jnp.einsum("qhgd,khd->hgqk", qi, kj) * scale
-        causal = (j * c + local)[None, :] <= (i * c + local)[:, None]
-        s = jnp.where(causal, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        return (m_new, l * corr + jnp.sum(p, -1),
-                acc * corr[..., None] + jnp.einsum("hgqk,khd->hgqd", p, vj))
-
-    init = (jnp.full((hkv, g, c), -jnp.inf), jnp.zeros((hkv, g, c)),
-            jnp.zeros((hkv, g, c, d)))
-    _, l, acc = jax.lax.fori_loop(0, i + 1, body, init)
-    return (acc / l[..., None]).transpose(2, 0, 1, 3).reshape(c, hq, d)
+    this block's already written): `causal_prefill_attention`'s query block
+    start // C, so a prompt prefilled block by block gets the same numbers as in
+    one program."""
+    c = q.shape[0]
+    kv = lambda j: tuple(jax.lax.dynamic_slice_in_dim(s, j * c, c).astype(jnp.float32)
+                         .transpose(1, 0, 2) for s in (ks, vs))
+    out = att.causal_query_block(att.query_rows(q, ks.shape[1]), kv, start // c, c)
+    return att.query_rows_back(out, c)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="stage")

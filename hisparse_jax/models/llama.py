@@ -151,9 +151,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
 # ---------------------------------------------------------------- layers
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """The mean square is taken over rows padded to a multiple of 8: XLA:CPU sums
+    fewer than 8 rows in another order than 8 or more (it vectorizes along a row
+    instead of across rows), which made a sequence's decode step depend on how many
+    slots the step computed (logits 0.07 apart, a different token later)."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(
-        jnp.float32)
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    rows = jnp.pad(rows, ((0, -n % 8), (0, 0)))
+    ms = jnp.mean(rows * rows, axis=-1)[:n].reshape(*x.shape[:-1], 1)
+    return x * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
