@@ -31,7 +31,7 @@ def forward(model, attention):
     @jax.jit
     def run(params, ids):
         m = nnx.merge(graphdef, params)
-        attend = lambda c, layer, q, k, v: (  # noqa: E731
+        attend = lambda c, layer, q, k, v: (
             attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)), c)
         x, _ = m.layers(m.embed_tokens(ids), jnp.arange(ids.shape[0]), (), attend)
         return m.logits(x[-1:])
