@@ -172,6 +172,9 @@ def main():
     p.add_argument("--c1-prompts", type=int, default=None,
                    help="requests at concurrency 1 (default: half of --num-prompts, >= 2)")
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="the hisparse server's decode budget (default: hisparse serve's, a "
+                        "16th of --max-context within 512-2048); the row records it")
     p.add_argument("--out", default="benchmarks/results/serve_side_by_side.jsonl")
     p.add_argument("--log-dir", default=tempfile.gettempdir(),
                    help="each server's output goes to LOG_DIR/serve_NAME.log")
@@ -232,6 +235,8 @@ def main():
             cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", name,
                    "--max-seqs", str(max(conc)), "--max-context", str(a.max_context),
                    "--port", str(port)]
+            if name == "hisparse" and a.budget_tokens:
+                cmd += ["--budget-tokens", str(a.budget_tokens)]
             proc = start(cmd, log=log_path(name))
         try:
             wait_up(url, proc)
@@ -251,6 +256,8 @@ def main():
                 row = json.loads(r.stdout.strip().splitlines()[-1])
                 row.update(server=name, concurrency=c,
                            command_line=" ".join(["python"] + argv))
+                if name == "hisparse":
+                    row.update(budget_tokens=a.budget_tokens)  # None: serve's default
                 if name == "vllm":
                     row.update(kv_cache_tokens=vllm_kv_tokens(log_path(name)),
                                vllm_kv_space_gib=a.vllm_kv_space_gib)

@@ -80,6 +80,7 @@ def test_start_logs_capacity_models_and_lineage(server, client):
     log = server["log"].read_text()
     assert re.search(r"HiSparse KV cache: [\d.]+x capacity vs bf16 \(device [\d.]+ MiB, host "
                      r"[\d.]+ MiB\), 4 sequences of 1024 tokens", log)
+    assert "decode budget 512 cold tokens per KV head (a 16th of the context" in log
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     lin = models.data[0].model_extra["lineage"]

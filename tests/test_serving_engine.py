@@ -12,6 +12,7 @@ from hisparse_jax import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.generate import stop_ids
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
+from hisparse_jax.serving.cli import default_budget_tokens
 from hisparse_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler, Token
 
 
@@ -128,6 +129,15 @@ def test_nan_in_one_sequence_never_reaches_another(model, long_ids):
         assert a[0] == b[0]
         np.testing.assert_array_equal(np.asarray(both.logits)[0], np.asarray(alone.logits)[0])
     assert np.isnan(np.asarray(both.logits)[1]).all()  # the poisoned one is NaN, visibly
+
+
+@pytest.mark.parametrize("context, budget", [
+    (1024, 512), (2048, 512), (8000, 512), (8192, 512), (8193, 512), (12000, 736),
+    (16384, 1024), (32768, 2048), (131072, 2048)])
+def test_serve_default_budget_is_a_16th_of_the_context(context, budget):
+    """`hisparse serve` without --budget-tokens: a 16th of the context in whole
+    pages, within [512, 2048] (a fixed 2,048 made the 8K server slower than dense)."""
+    assert default_budget_tokens(context) == budget
 
 
 @pytest.mark.parametrize("argv, message", [

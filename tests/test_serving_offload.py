@@ -27,9 +27,9 @@ def model():
 
 
 def _plan(mc, memory, offload):
-    cfg = types.SimpleNamespace(attention="hisparse", budget_tokens=BUDGET, max_seqs=8,
+    cfg = types.SimpleNamespace(attention="hisparse", max_seqs=8,
                                 kv_cache_memory=memory, offload=offload)
-    return plan_slots(mc, CONTEXT, cfg)
+    return plan_slots(mc, CONTEXT, cfg, BUDGET)
 
 
 def _budget(mc) -> int:

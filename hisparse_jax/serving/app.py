@@ -53,7 +53,7 @@ class ServeConfig:
     max_seqs: int = 8
     max_context: int | None = None  # None: the model's trained context
     attention: str = "hisparse"
-    budget_tokens: int = 2048
+    budget_tokens: int | None = None  # None: default_budget_tokens(each model's context)
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
