@@ -235,7 +235,7 @@ def main():
             cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", name,
                    "--max-seqs", str(max(conc)), "--max-context", str(a.max_context),
                    "--port", str(port)]
-            if name == "hisparse" and a.budget_tokens:
+            if name == "hisparse" and a.budget_tokens is not None:
                 cmd += ["--budget-tokens", str(a.budget_tokens)]
             proc = start(cmd, log=log_path(name))
         try:
