@@ -42,7 +42,7 @@ import numpy as np
 from hisparse_jax import layout
 from hisparse_jax import state as st
 from hisparse_jax.attention import causal_prefill_attention, decode_step
-from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
+from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, default_budget_tokens
 
 log = logging.getLogger("hisparse.bridge")
 
@@ -73,7 +73,8 @@ def make_config(*, num_kv_heads: int, num_heads: int, head_dim: int, page_size: 
                 max_model_len: int, max_seqs: int, num_blocks: int | None = None,
                 overrides: dict | None = None) -> HiSparseConfig:
     """The HiSparse config of one layer of a vLLM model (defaults: the `default`
-    preset's tiers; a sink of at least one page)."""
+    preset's tiers; a sink of at least one page; `hisparse serve`'s decode budget
+    for max_model_len, `default_budget_tokens`)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
@@ -82,7 +83,8 @@ def make_config(*, num_kv_heads: int, num_heads: int, head_dim: int, page_size: 
               "sink_tokens": max(16, page_size), "hot_tokens": max(128, page_size),
               "warm_tokens": -(-384 // page_size) * page_size,
               "max_context": -(-max_model_len // page_size) * page_size,
-              "max_seqs": max_seqs, "num_pool_pages": num_blocks}
+              "max_seqs": max_seqs, "num_pool_pages": num_blocks,
+              "budget_tokens": default_budget_tokens(max_model_len, page_size)}
     fields.update(overrides or {})
     return HiSparseConfig(**fields)
 

@@ -9,10 +9,10 @@ import pytest
 from models_fixtures import smollm2
 
 from hisparse_jax import state as st
+from hisparse_jax.config import default_budget_tokens
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.generate import stop_ids
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
-from hisparse_jax.serving.cli import default_budget_tokens
 from hisparse_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler, Token
 
 
@@ -131,13 +131,14 @@ def test_nan_in_one_sequence_never_reaches_another(model, long_ids):
     assert np.isnan(np.asarray(both.logits)[1]).all()  # the poisoned one is NaN, visibly
 
 
-@pytest.mark.parametrize("context, budget", [
-    (1024, 512), (2048, 512), (8000, 512), (8192, 512), (8193, 512), (12000, 736),
-    (16384, 1024), (32768, 2048), (131072, 2048)])
-def test_serve_default_budget_is_a_16th_of_the_context(context, budget):
+@pytest.mark.parametrize("context, page, budget", [
+    (1024, 16, 512), (2048, 16, 512), (8000, 16, 512), (8192, 16, 512), (8193, 16, 512),
+    (12000, 16, 736), (12000, 128, 640), (16384, 16, 1024), (32768, 16, 2048),
+    (131072, 16, 2048), (131072, 128, 2048)])
+def test_serve_default_budget_is_a_16th_of_the_context(context, page, budget):
     """`hisparse serve` without --budget-tokens: a 16th of the context in whole
     pages, within [512, 2048] (a fixed 2,048 made the 8K server slower than dense)."""
-    assert default_budget_tokens(context) == budget
+    assert default_budget_tokens(context, page) == budget
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -15,17 +15,9 @@ from hisparse_jax.cli.args import (
     number,
     positive_int,
 )
+from hisparse_jax.config import default_budget_tokens
 
 log = logging.getLogger("hisparse.serve")
-
-
-def default_budget_tokens(context: int) -> int:
-    """A 16th of the context (a multiple of the 16-token page), at least 512 and at
-    most 2,048 tokens. A fixed 2,048 is a quarter of an 8K context: SmolLM2 served
-    7.5K prompts slower than dense attention with it (TPOT 332 against 243 ms, one
-    run) and faster at 512 (163 against 232 ms, another; docs/serving.md,
-    "Measured"), and 1/16 is the budget its quality was measured at."""
-    return min(2048, max(512, context // 16 // 16 * 16))
 
 
 def build_state(cfg):

@@ -212,3 +212,16 @@ def test_config_from_environment():
                          max_model_len=8192, max_seqs=4)
     # SmolLM2 shapes: ~3x fewer bytes per token than vLLM's bf16 (256 B per head).
     assert 2.5 < 256 / rt.bytes_per_token_per_head(cfg) < 3.2
+
+
+@pytest.mark.parametrize("max_model_len, page, budget", [
+    (2048, 16, 512), (8192, 16, 512), (16384, 16, 1024), (12000, 128, 640),
+    (32768, 16, 2048), (131072, 128, 2048)])
+def test_default_budget_follows_max_model_len(max_model_len, page, budget):
+    """Without HISPARSE_BUDGET_TOKENS the bridge decodes with `hisparse serve`'s
+    budget for the same context (a 16th, whole pages, 512-2048); the variable wins."""
+    kw = {"num_kv_heads": 3, "num_heads": 9, "head_dim": 64, "page_size": page,
+              "max_model_len": max_model_len, "max_seqs": 2}
+    assert rt.make_config(**kw).budget_tokens == budget
+    env = rt.config_overrides({"HISPARSE_BUDGET_TOKENS": "1024"})
+    assert rt.make_config(**kw, overrides=env).budget_tokens == 1024
