@@ -221,7 +221,7 @@ def test_default_budget_follows_max_model_len(max_model_len, page, budget):
     """Without HISPARSE_BUDGET_TOKENS the bridge decodes with `hisparse serve`'s
     budget for the same context (a 16th, whole pages, 512-2048); the variable wins."""
     kw = {"num_kv_heads": 3, "num_heads": 9, "head_dim": 64, "page_size": page,
-              "max_model_len": max_model_len, "max_seqs": 2}
+          "max_model_len": max_model_len, "max_seqs": 2}
     assert rt.make_config(**kw).budget_tokens == budget
     env = rt.config_overrides({"HISPARSE_BUDGET_TOKENS": "1024"})
     assert rt.make_config(**kw, overrides=env).budget_tokens == 1024
