@@ -4,7 +4,7 @@ tok/s and P99 TPOT (vLLM's own serving benchmark) at long prompts and concurrenc
 
     .venv-vllm/bin/python -m bridge.bench_side_by_side --model DIR \\
         [--input-len 7500] [--output-len 64] [--num-prompts 8] [--concurrency 8] \\
-        [--kv-space-gib 2] [--budget-tokens 480] [--out bridge/results/side_by_side_cpu.json]
+        [--kv-space-gib 2] [--budget-tokens N] [--out bridge/results/side_by_side_cpu.json]
 
 Each server binds 127.0.0.1 on a free port and is stopped (by PID) before the next
 starts; both use enforce_eager, max_model_len 8192, no prefix caching. The JSON
@@ -83,15 +83,18 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-space-gib", type=float, default=2)
-    p.add_argument("--budget-tokens", type=int, default=480)
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="HISPARSE_BUDGET_TOKENS (default: the bridge's own, a 16th of "
+                        "--max-model-len within 512-2048; the bridge_log line names it)")
     p.add_argument("--out", default="bridge/results/side_by_side_cpu.json")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
     log_dir = args.log_dir or os.path.join(os.path.dirname(args.out) or ".", "logs")
     os.makedirs(log_dir, exist_ok=True)
     rows = [run_one("cpu_attn", args, {}, [], log_dir),
-            run_one("hisparse", args, {"HISPARSE_VLLM_CPU": "1",
-                                       "HISPARSE_BUDGET_TOKENS": str(args.budget_tokens)},
+            run_one("hisparse", args, {"HISPARSE_VLLM_CPU": "1"} | (
+                {} if args.budget_tokens is None
+                else {"HISPARSE_BUDGET_TOKENS": str(args.budget_tokens)}),
                     ["--block-size", "16"], log_dir)]
     d, h = rows
     summary = {
