@@ -325,16 +325,30 @@ def release_slot(cfg: HiSparseConfig, state: st.CacheState, seq):
     return st.release(cfg, state, seq)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnums=1)
 def decode_rows(cfg: HiSparseConfig, state: st.CacheState, q, k, v, slots, ids, n_ids,
-                q_scale):
+                q_scale, *, width: int | None = None):
     """Append one token to each listed slot and decode it sparsely.
 
     q [R, Hq, D], k, v [R, Hkv, D] (R = max_seqs rows; rows whose slot is -1 are
     padding); slots [R] int32; ids [R] int32: pool pages for the pages that turn
     cold, in slot order. Returns (out [R, Hq, D] float32, state). Slots not listed
-    keep their selection memory (`last_selected`) untouched.
+    keep their selection memory (`last_selected`) untouched. width: compute slots
+    0..width-1 only (`state.decode_width`; every listed slot must be below it):
+    their tiers are copied out and back, the pool stays in place.
     """
+    full = state
+    if width is not None and width < cfg.max_seqs:
+        cfg = cfg.replace(max_seqs=width, num_pool_pages=cfg.pool_pages)
+        state = state.replace(**{f: getattr(state, f)[:width] for f in st.SLOT_FIELDS})
+    out, state = _decode_rows(cfg, state, q, k, v, slots, ids, n_ids, q_scale)
+    if state.seq_lens.shape[0] < full.seq_lens.shape[0]:
+        state = state.replace(**{f: getattr(full, f).at[:width].set(getattr(state, f))
+                                 for f in st.SLOT_FIELDS})
+    return out, state
+
+
+def _decode_rows(cfg, state, q, k, v, slots, ids, n_ids, q_scale):
     b = cfg.max_seqs
     sl = jnp.where(slots >= 0, slots, b)
     active = jnp.zeros((b,), bool).at[sl].set(True, mode="drop")
@@ -478,8 +492,11 @@ class LayerCache:
                                 jnp.int32(len(r.prefill_ids)))
 
     def _decode(self, q, k, v, slots, ids, n_ids):
+        # only the slots up to the highest listed one (SlotTable takes the lowest free)
+        width = st.decode_width(self.cfg.max_seqs, int(np.max(slots)) + 1)
         out, self.state = decode_rows(self.cfg, self.state, q, k, v, jnp.asarray(slots),
-                                      jnp.asarray(ids), jnp.int32(n_ids), self.q_scale)
+                                      jnp.asarray(ids), jnp.int32(n_ids), self.q_scale,
+                                      width=width)
         return out
 
     # -- a whole step

@@ -131,6 +131,29 @@ OFFLOAD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 SLOT_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale",
                "page_table", "seq_lens", "last_selected", "poisoned")
 
+# The narrowest decode program a step over the first slots may run (`decode_widths`).
+# A slot's results must not depend on how many slots run beside it (a request
+# served alone equals it served in a batch): the sparse attention's numbers are
+# the same at 4 and 8 slots, but not at 1 or 2 (XLA:CPU picks other kernels for
+# those batch sizes; up to 0.11 in SmolLM2's logits).
+MIN_DECODE_WIDTH = 4
+
+
+def decode_widths(max_seqs: int) -> list[int]:
+    """The slot counts a decode program over slots 0..n-1 is compiled for: 4, 8,
+    16, ... up to max_seqs (one program each)."""
+    out, w = [], MIN_DECODE_WIDTH
+    while w < max_seqs:
+        out.append(w)
+        w *= 2
+    return out + [max_seqs]
+
+
+def decode_width(max_seqs: int, top: int) -> int:
+    """The narrowest of `decode_widths` that covers slots 0..top-1: a step that
+    computes only those costs what a few slots need, not what max_seqs does."""
+    return next(w for w in decode_widths(max_seqs) if w >= top)
+
 
 def _encode_cold(cfg, k_pages, v_pages, implementation):
     """Whole pages [n, Hkv, page, D] (f32) -> their pool codes {int4_k, int4_v,

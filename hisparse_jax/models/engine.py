@@ -55,12 +55,6 @@ from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, c
 
 ATTENTIONS = ("hisparse", "dense")
 PREFILL_CHUNK = 512  # causal_prefill_attention's query/key block
-# The narrowest decode program (`Engine.decode_width`). A slot's results must not
-# depend on how many slots run beside it (a request served alone equals it served
-# in a batch): the sparse attention's numbers are the same at 4 and 8 slots, but
-# not at 1 or 2 (XLA:CPU picks other kernels for those batch sizes; up to 0.11 in
-# SmolLM2's logits), while dense attention's are equal at every width.
-MIN_DECODE_WIDTH = 4
 
 
 def prefill_length(n: int) -> int:
@@ -836,13 +830,10 @@ class Engine:
         return out
 
     def decode_widths(self) -> list[int]:
-        """The slot counts a decode program is compiled for: 4, 8, 16, ... up to
-        max_seqs (one program each; see `decode_width`)."""
-        out, w = [], MIN_DECODE_WIDTH
-        while w < self.max_seqs:
-            out.append(w)
-            w *= 2
-        return out + [self.max_seqs]
+        """The slot counts a decode program is compiled for (`state.decode_widths`;
+        dense attention's numbers are equal at every width, the sparse one's from
+        4 slots on)."""
+        return st.decode_widths(self.max_seqs)
 
     def decode_width(self, active: np.ndarray) -> int:
         """How many slots a decode step computes: the narrowest width that covers
@@ -850,7 +841,7 @@ class Engine:
         low concurrency a step costs what a few slots need, not what max_seqs
         does)."""
         top = int(np.flatnonzero(active).max()) + 1 if np.any(active) else 1
-        return next(w for w in self.decode_widths() if w >= top)
+        return st.decode_width(self.max_seqs, top)
 
     def release(self, slot: int):
         """Empty `slot`: a HiSparse cache frees its cold pages but those the prefix

@@ -174,6 +174,33 @@ def test_reused_blocks_show_no_stale_pages():
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_narrow_decode_step_equals_the_full_one(monkeypatch):
+    """Two requests in slots 0 and 1 of 8 decode in the 4-slot program
+    (`state.decode_width`): outputs and cache bit-equal to computing all 8 slots."""
+    def run(width_rule):
+        monkeypatch.setattr(rt.st, "decode_width", width_rule)
+        _, table, layer, fake = setup(budget=256, max_seqs=8)
+        fake.start("a", 1300); fake.start("b", 1000)
+        outs = [run_step(table, layer, fake, [("a", 1200), ("b", 900)])[0]]
+        outs += [run_step(table, layer, fake, [("a", 1), ("b", 1)])[0] for _ in range(40)]
+        return np.concatenate(outs), layer.state
+
+    widths = []
+
+    def narrow(max_seqs, top):
+        widths.append(real(max_seqs, top))
+        return widths[-1]
+
+    real = rt.st.decode_width
+    got, state = run(narrow)
+    assert set(widths) == {4}
+    want, ref = run(lambda max_seqs, top: max_seqs)
+    np.testing.assert_array_equal(got, want)
+    for f in rt.st.CacheState.__dataclass_fields__:
+        np.testing.assert_array_equal(np.asarray(getattr(state, f)), np.asarray(getattr(ref, f)),
+                                      err_msg=f)
+
+
 def test_finished_slot_is_reclaimed_and_prefix_hits_refused():
     _, table, layer, fake = setup(max_seqs=2)
     for name in ("a", "b"):
