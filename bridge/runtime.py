@@ -337,15 +337,9 @@ def decode_rows(cfg: HiSparseConfig, state: st.CacheState, q, k, v, slots, ids, 
     0..width-1 only (`state.decode_width`; every listed slot must be below it):
     their tiers are copied out and back, the pool stays in place.
     """
-    full = state
-    if width is not None and width < cfg.max_seqs:
-        cfg = cfg.replace(max_seqs=width, num_pool_pages=cfg.pool_pages)
-        state = state.replace(**{f: getattr(state, f)[:width] for f in st.SLOT_FIELDS})
-    out, state = _decode_rows(cfg, state, q, k, v, slots, ids, n_ids, q_scale)
-    if state.seq_lens.shape[0] < full.seq_lens.shape[0]:
-        state = state.replace(**{f: getattr(full, f).at[:width].set(getattr(state, f))
-                                 for f in st.SLOT_FIELDS})
-    return out, state
+    part_cfg, part = st.first_slots(cfg, state, width or cfg.max_seqs)
+    out, part = _decode_rows(part_cfg, part, q, k, v, slots, ids, n_ids, q_scale)
+    return out, st.put_first_slots(state, part)
 
 
 def _decode_rows(cfg, state, q, k, v, slots, ids, n_ids, q_scale):

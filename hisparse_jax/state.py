@@ -155,6 +155,29 @@ def decode_width(max_seqs: int, top: int) -> int:
     return next(w for w in decode_widths(max_seqs) if w >= top)
 
 
+def first_slots(cfg: HiSparseConfig, state: CacheState, n: int, axis: int = 0):
+    """(cfg, state) of slots 0..n-1 alone, for a step that computes only those
+    (`decode_width`): their tiers copied out, the pool shared. axis: the sequence
+    axis of the slot fields (1 in a layer-stacked state). `put_first_slots` writes
+    them back."""
+    if n >= cfg.max_seqs:
+        return cfg, state
+    first = (slice(None),) * axis + (slice(0, n),)
+    return (cfg.replace(max_seqs=n, num_pool_pages=cfg.pool_pages),
+            state.replace(**{f: getattr(state, f)[first] for f in SLOT_FIELDS}))
+
+
+def put_first_slots(full: CacheState, part: CacheState, axis: int = 0) -> CacheState:
+    """`part` (from `first_slots(.., full, n, axis)`, then stepped) with the other
+    slots' fields of `full`: the whole state again."""
+    n = part.seq_lens.shape[axis]
+    if n == full.seq_lens.shape[axis]:
+        return part
+    first = (slice(None),) * axis + (slice(0, n),)
+    return part.replace(**{f: getattr(full, f).at[first].set(getattr(part, f))
+                           for f in SLOT_FIELDS})
+
+
 def _encode_cold(cfg, k_pages, v_pages, implementation):
     """Whole pages [n, Hkv, page, D] (f32) -> their pool codes {int4_k, int4_v,
     int4_v_scale, int4_v_zero, digest_center, digest_radius}, each [n, Hkv, ...]."""

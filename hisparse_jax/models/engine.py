@@ -249,9 +249,8 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     tokens, lens, active = tokens[:n], lens[:n], active[:n]
     samp = tuple(a[:n] for a in samp)
     full = caches
-    if hcfg is not None and n < b:
-        hcfg = hcfg.replace(max_seqs=n, num_pool_pages=hcfg.pool_pages)
-        caches = caches.replace(**{f: getattr(caches, f)[:, :n] for f in st.SLOT_FIELDS})
+    if hcfg is not None:
+        hcfg, caches = st.first_slots(hcfg, caches, n, axis=1)
 
     def attend(caches, layer, q, k, v):
         if hcfg is None:
@@ -260,9 +259,8 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
                                 implementation=implementation)
 
     x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
-    if hcfg is not None and n < b:
-        caches = caches.replace(**{f: getattr(full, f).at[:, :n].set(getattr(caches, f))
-                                   for f in st.SLOT_FIELDS})
+    if hcfg is not None:
+        caches = st.put_first_slots(full, caches, axis=1)
     logits = model.logits(x)
     nxt = sample(logits, lens + 1, *samp)
     pad = lambda a: jnp.zeros((b, *a.shape[1:]), a.dtype).at[:n].set(a)
