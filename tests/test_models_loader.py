@@ -478,12 +478,17 @@ def test_smollm2_fetched_file_is_verified():
 
 
 def test_llama3_8b_shapes_small():
-    model, tok = registry.load("llama3-8b-shapes", num_layers=1)
+    """One layer at Llama-3-8B's shapes (its weights take ~10 s to make here), with
+    a RoPE override: the random models take the same ones as a file."""
+    model, tok = registry.load("llama3-8b-shapes", num_layers=1, rope_scaling="llama3:2")
     assert tok is None
     c = model.cfg
     assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
             c.vocab_size, c.rope_theta, c.num_layers) == (4096, 32, 8, 128, 14336, 128256,
                                                            500000.0, 1)
+    trained = registry.MODELS["llama3-8b-shapes"].config.max_position
+    assert (c.rope_scaling.kind, c.rope_scaling.original_max_position,
+            c.max_position) == ("llama3", trained, 2 * trained)
     w = model.weights()
     assert w["layers"]["w_gate"].shape == (1, 4096, 14336) and w["lm_head"].shape == (4096, 128256)
     x = np.asarray(w["layers"]["wq"][0, :512, :512], np.float32)
@@ -497,17 +502,22 @@ def test_llama3_8b_shapes_small():
                               np.asarray(random_weights(small, seed=2)["embed"], np.float32))
 
 
-def test_rope_scaling_override_extends_the_trained_length():
+def test_rope_scaling_override_extends_the_trained_length(tmp_path):
     """`load(..., rope_scaling="KIND:FACTOR")` (the CLI's --rope-scaling) scales from
-    the checkpoint's trained length and grows max_position by FACTOR."""
+    the checkpoint's trained length and grows max_position by FACTOR. On a small
+    GGUF (a file is what `--model PATH` and smollm2-135m load; the random 8B shapes
+    take the same overrides in test_llama3_8b_shapes_small)."""
     from hisparse_jax.models.llama import rope_frequencies
-    base, _ = registry.load("llama3-8b-shapes", num_layers=1)
+    cfg = tiny_config(max_position=512)
+    path = str(write_gguf(tmp_path / "m.gguf", cfg, hf_weights(cfg), "F32"))
+    base, _ = registry.load(path)
     for text, kind in (("linear:2", "linear"), ("llama3:4", "llama3"), ("yarn:4", "yarn")):
-        m, _ = registry.load("llama3-8b-shapes", num_layers=1, rope_scaling=text)
+        m, _ = registry.load(path, rope_scaling=text)
         s = m.cfg.rope_scaling
-        assert (s.kind, s.original_max_position) == (kind, base.cfg.max_position)
+        assert (s.kind, s.original_max_position) == (kind, base.cfg.max_position) == (kind, 512)
         assert m.cfg.max_position == base.cfg.max_position * s.factor
         f0, f1 = rope_frequencies(base.cfg)[0], rope_frequencies(m.cfg)[0]
         assert np.all(f1 <= f0) and np.any(f1 < f0)  # slower rotations: longer wavelengths
-    with pytest.raises(ValueError, match="expected KIND:FACTOR"):
-        registry.load("llama3-8b-shapes", num_layers=1, rope_scaling="llama3")
+    for model in (path, "llama3-8b-shapes"):  # refused before any weight is read or made
+        with pytest.raises(ValueError, match="expected KIND:FACTOR"):
+            registry.load(model, num_layers=1, rope_scaling="llama3")
