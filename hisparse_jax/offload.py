@@ -38,6 +38,8 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.validate import check_int, check_working_set
 
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
+# The scheduler's per-sequence fields (a step over the first slots takes theirs).
+SCHED_SLOT_FIELDS = ("resident", "score", "last_used")
 
 
 def _without_cold_codes(state):
@@ -178,7 +180,9 @@ def _attend_resident(cfg, state, q, ws, sample_ws, resident, sample_held, sel, i
     seq = jnp.concatenate([jnp.repeat(jnp.arange(b), w), jnp.repeat(jnp.arange(b), n)])
     pool = jnp.where(rows >= 0, state.page_table[seq[None, :], jnp.maximum(rows, 0)], 0)
     heads = jnp.arange(h)[:, None]
-    cold = tuple(jnp.concatenate([ws[f], sample_ws[f]], axis=1) for f in HOST_FIELDS) + (
+    # the first b slots' rows (all of them unless a step runs on fewer slots)
+    cold = tuple(jnp.concatenate([ws[f][:, :b * w], sample_ws[f][:, :b * n]], axis=1)
+                 for f in HOST_FIELDS) + (
         state.digest_center[heads, pool], state.digest_radius[heads, pool])
     out, kept = attend_cold_slots(cfg, state, q, cold, _slots_of(resident, sel.pages),
                                   sample_slots, sel.sample_logw, implementation=implementation)
@@ -273,10 +277,31 @@ class ColdStore:
             self.ws = _move_slots(self.ws, src)
             self.working_set = working_set
 
-    def attend(self, cfg: HiSparseConfig, state, q, implementation=None):
+    def attend(self, cfg: HiSparseConfig, state, q, implementation=None, width=None):
         """Decode attention for q [B, Hq, D] over `state` (its cold codes here):
         -> (out [B, Hq, D], candidates [B, Hkv, C], kept (`attend_cold_slots`),
-        the state with the candidates remembered)."""
+        the state with the candidates remembered). width: compute only slots
+        0..width-1 (`state.decode_width`; the others' rows of out are 0, their
+        candidates and kept -1, and their working sets stay as they were). The working set and sample buffer keep their full size: the first
+        slots' pages sit at the same offsets in them."""
+        b = cfg.max_seqs
+        if width is None or width >= b:
+            return self._attend(cfg, state, q, implementation)
+        full = self.sched
+        ncfg, part = st.first_slots(cfg, state, width)
+        self.sched = full.replace(**{f: getattr(full, f)[:width] for f in SCHED_SLOT_FIELDS})
+        held = self.sample_held
+        self.sample_held = held[:width]
+        out, pages, kept, part = self._attend(ncfg, part, q[:width], implementation)
+        self.sched = self.sched.replace(**{f: getattr(full, f).at[:width].set(
+            getattr(self.sched, f)) for f in SCHED_SLOT_FIELDS})
+        self.sample_held = held.at[:width].set(self.sample_held)
+        pad = lambda x, fill: jnp.full((b, *x.shape[1:]), fill, x.dtype).at[:width].set(x)
+        self.candidates = pad(pages, -1)
+        return (pad(out, 0), self.candidates, pad(kept, -1),
+                st.put_first_slots(state, part))
+
+    def _attend(self, cfg: HiSparseConfig, state, q, implementation):
         sel, plan, fetch = _select_and_plan(cfg, state, q, self.sched,
                                             implementation=implementation)
         self._copy_in(np.asarray(fetch))

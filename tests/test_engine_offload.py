@@ -113,3 +113,34 @@ def test_an_offloaded_engine_holds_less_on_the_device(model):
     assert plan["working_set_pages_per_seq_head"] == off.working_set
     assert off.working_set < 2 * off.cache_cfg.candidate_pages
 
+
+
+def test_a_narrow_offloaded_step_equals_the_full_one(model):
+    """Offload mode's step at low concurrency computes only the slots up to the
+    highest active one (`Engine.decode_width`), as the resident step does: two
+    sequences in slots 0-1 of 8 step at width 4, and their tokens, logits, every
+    cache field and every layer's working set, sample buffer, scheduler state and
+    counters equal the full-width step's (the step before widths) bit for bit."""
+    m, tok = model
+    prompts = _prompts(tok)
+    kw = {"max_seqs": 8, "max_context": 1536, "budget_tokens": 64, "offload": True}
+    narrow, full = Engine(m, **kw), Engine(m, **kw)
+    full.decode_width = lambda active: full.max_seqs
+    active = np.arange(8) < 2
+    assert narrow.decode_width(active) == 4
+    for eng in (narrow, full):
+        eng.prefill(0, prompts[0])
+        eng.prefill(1, prompts[2])
+    used = narrow.pool_usage()[0]
+    for _ in range(16):  # pages turn cold: they go to the host pools
+        np.testing.assert_array_equal(narrow.decode_step(active), full.decode_step(active))
+        np.testing.assert_array_equal(np.asarray(narrow.logits)[:2],
+                                      np.asarray(full.logits)[:2])
+    assert narrow.pool_usage()[0] > used
+    leaves = lambda eng: jax.tree.leaves((eng.caches, [(s.host, s.ws, s.sample_ws,
+                                                         s.sample_held, s.sched)
+                                                        for s in eng.cold]))
+    for a, b in zip(leaves(narrow), leaves(full), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    got = narrow.offload_counters()
+    assert got == full.offload_counters() and got["misses"] > 0

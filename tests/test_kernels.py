@@ -124,6 +124,31 @@ def test_lookup_reference_pool_and_row_scoring_agree(case, monkeypatch):
         np.testing.assert_allclose(rows, pool, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "pages", "pool"),
+                         [(3, 3, 96, 800), (3, 3, 60, 200), (3, 3, 512, 4096), (2, 4, 33, 300)])
+def test_lookup_reference_scores_of_a_sequence_do_not_depend_on_the_batch(kv_heads, group,
+                                                                         pages, pool):
+    """A sequence's scores are bit-equal whatever number of sequences the call
+    scores beside it: a decode step over the first 4 slots must equal one over 8
+    (`state.decode_width`; served alone == served in a batch). XLA:CPU sums a
+    row in another order once the whole reduction passes ~4,096 elements, so the
+    mass's log-sum-exps, over all sequences at once, put SmolLM2's logits 0.2 apart
+    after 8 steps in a narrow step; they now run one sequence at a time."""
+    rng = np.random.default_rng(pages)
+    dc = jnp.asarray(rng.standard_normal((kv_heads, pool, 64)), jnp.bfloat16)
+    dr = jnp.asarray(np.abs(rng.standard_normal((kv_heads, pool, 64))) * 0.1,
+                     jnp.float8_e4m3fn)
+    table = rng.integers(0, pool, (16, pages)).astype(np.int32)
+    table[:, pages // 2 + 1:] = -1  # odd lengths, empty tails
+    table[3] = -1
+    q = jnp.asarray(rng.standard_normal((16, kv_heads, group, 64)) * 2, jnp.float32)
+    f = jax.jit(lookup_ref.page_scores)
+    wide = f(q, dc, dr, jnp.asarray(table))
+    for b in (4, 8):
+        for got, want in zip(f(q[:b], dc, dr, jnp.asarray(table[:b])), wide, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[:b])
+
+
 def test_lookup_all_empty_row():
     case = LookupCase(2, 2, 4, 64, 9, 16)
     q, dc, dr, table = make_lookup(case)

@@ -775,7 +775,7 @@ class Engine:
                                - st.num_cold_pages(self.cache_cfg, before)) * (before > 0)))
             self._make_room(need)
         if self.offload:
-            nxt, self.logits = self._decode_offloaded(active, need > 0)
+            nxt, self.logits = self._decode_offloaded(active, need > 0, self.decode_width(active))
         else:
             nxt, self.logits, self.caches = _decode(
                 self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
@@ -787,13 +787,14 @@ class Engine:
         self.num_free -= need
         return self.tokens.copy()
 
-    def _decode_offloaded(self, active: np.ndarray, new_cold: bool):
+    def _decode_offloaded(self, active: np.ndarray, new_cold: bool, width: int):
         """Offload mode's decode step, one layer at a time (the host copies each
         layer's missing pages between its selection and its attention): layer l's
         K/V appended, the pages that became cold stored in its host pool, the layer
-        below's candidates prefetched, then `ColdStore.attend` (select, copy exactly
-        the missing pages, attend) and the rest of the layer. The same bytes as the
-        all-resident step reads: the same tokens. -> (next tokens [B], logits [B, V])."""
+        below's candidates prefetched, then `ColdStore.attend` over the first
+        `width` slots (select, copy exactly the missing pages, attend) and the rest
+        of the layer. The same bytes as the all-resident step reads: the same
+        tokens. -> (next tokens [B], logits [B, V])."""
         c = self.cache_cfg
         tokens, lens = jnp.asarray(self.tokens), jnp.asarray(self.lens)
         act = jnp.asarray(active)
@@ -807,7 +808,8 @@ class Engine:
                 store.store(pool_ids, codes)
             if below is not None:
                 store.prefetch(view, below)
-            out, below, _, view = store.attend(c, view, q, implementation=self.implementation)
+            out, below, _, view = store.attend(c, view, q, implementation=self.implementation,
+                                               width=width)
             x, self.caches = _offload_finish(self.params, self.caches, x, out,
                                              view.last_selected, idx, graphdef=self.graphdef)
         return _logits_and_sample(self.params, x, lens, self._samp(range(self.max_seqs)),
@@ -939,13 +941,14 @@ class Engine:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
                                   jnp.int32(1), self._shared(-1, n), self.offload).compile()
         if self.offload:
-            # Many small programs: compiled by running a step while no slot holds a
-            # sequence (nothing is selected or copied; the scheduler's step count is
-            # put back). With sequences, a step would select and copy their pages:
-            # their programs compile at the first real step instead.
+            # Many small programs: compiled by running a step at each width while no
+            # slot holds a sequence (nothing is selected or copied; the scheduler's
+            # step count is put back). With sequences, a step would select and copy
+            # their pages: their programs compile at the first real step instead.
             if not self.lens.any():
                 saved = [store.sched for store in self.cold]
-                self.decode_step(np.zeros(self.max_seqs, bool))
+                for n in self.decode_widths():
+                    self._decode_offloaded(np.zeros(self.max_seqs, bool), False, n)
                 for store, sched in zip(self.cold, saved):
                     store.sched = sched
             self.cold[0].compile_copies(self.cache_cfg)  # one program per shape: all layers

@@ -56,11 +56,17 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     bound = center + dot(jnp.abs(q), digest_radius)
     ok = page_table[None, :, None, :] >= 0
 
-    def mass(x):  # [Hkv, B, G, N] -> [B, Hkv, N]: sum over the group of each head's
-        # softmax over pages (its estimated mass shares), in log space
+    def one(x, ok):  # one sequence: [Hkv, G, N] -> [Hkv, N]
         x = jnp.where(ok, x, -jnp.inf)
-        x = x - jax.nn.logsumexp(x, axis=3, keepdims=True)
-        return jnp.where(ok, jax.nn.logsumexp(x, axis=2, keepdims=True),
-                         -jnp.inf)[:, :, 0].transpose(1, 0, 2)
+        x = x - jax.nn.logsumexp(x, axis=2, keepdims=True)
+        return jnp.where(ok, jax.nn.logsumexp(x, axis=1, keepdims=True), -jnp.inf)[:, 0]
+
+    def mass(x):  # [Hkv, B, G, N] -> [B, Hkv, N]: sum over the group of each head's
+        # softmax over pages (its estimated mass shares), in log space. One sequence
+        # at a time: XLA:CPU sums a row in another order once a reduction passes
+        # ~4,096 elements, and a sequence's mass must not depend on how many are
+        # scored beside it (a decode step over 4 slots must equal one over 8).
+        return jax.lax.map(lambda a: one(*a), (x.transpose(1, 0, 2, 3),
+                                               ok.transpose(1, 0, 2, 3)))
 
     return jnp.where(ok, bound, -jnp.inf).transpose(1, 0, 2, 3), mass(center)
