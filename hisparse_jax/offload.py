@@ -189,6 +189,27 @@ def _attend_resident(cfg, state, q, ws, sample_ws, resident, sample_held, sel, i
     return out, kept, remember(cfg, state, sel.pages).last_selected
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "width"))
+def _first_slots(cfg, state, sched, held, q, *, width):
+    """`ColdStore.attend`'s inputs for slots 0..width-1 alone (one program: a
+    layer's step would otherwise dispatch dozens of small slices)."""
+    part = st.first_slots(cfg, state, width)[1]
+    sched = sched.replace(**{f: getattr(sched, f)[:width] for f in SCHED_SLOT_FIELDS})
+    return part, sched, held[:width], q[:width]
+
+
+@jax.jit
+def _put_first_slots(state, part, sched, part_sched, held, part_held, out, pages, kept):
+    """The first slots' results back into the full arrays (`_first_slots`' inverse);
+    the other slots' out rows 0, candidates and kept -1."""
+    b, width = state.seq_lens.shape[0], part.seq_lens.shape[0]
+    pad = lambda x, fill: jnp.full((b, *x.shape[1:]), fill, x.dtype).at[:width].set(x)
+    sched = part_sched.replace(**{f: getattr(sched, f).at[:width].set(getattr(part_sched, f))
+                                  for f in SCHED_SLOT_FIELDS})
+    return (pad(out, 0), pad(pages, -1), pad(kept, -1), st.put_first_slots(state, part),
+            sched, held.at[:width].set(part_held))
+
+
 MIN_COPY_ROWS = 64  # a page is ~1 KiB: padding a copy to 64 rows costs little
 
 
@@ -284,22 +305,16 @@ class ColdStore:
         0..width-1 (`state.decode_width`; the others' rows of out are 0, their
         candidates and kept -1, and their working sets stay as they were). The working set and sample buffer keep their full size: the first
         slots' pages sit at the same offsets in them."""
-        b = cfg.max_seqs
-        if width is None or width >= b:
+        if width is None or width >= cfg.max_seqs:
             return self._attend(cfg, state, q, implementation)
-        full = self.sched
-        ncfg, part = st.first_slots(cfg, state, width)
-        self.sched = full.replace(**{f: getattr(full, f)[:width] for f in SCHED_SLOT_FIELDS})
-        held = self.sample_held
-        self.sample_held = held[:width]
-        out, pages, kept, part = self._attend(ncfg, part, q[:width], implementation)
-        self.sched = self.sched.replace(**{f: getattr(full, f).at[:width].set(
-            getattr(self.sched, f)) for f in SCHED_SLOT_FIELDS})
-        self.sample_held = held.at[:width].set(self.sample_held)
-        pad = lambda x, fill: jnp.full((b, *x.shape[1:]), fill, x.dtype).at[:width].set(x)
-        self.candidates = pad(pages, -1)
-        return (pad(out, 0), self.candidates, pad(kept, -1),
-                st.put_first_slots(state, part))
+        full, held = self.sched, self.sample_held
+        part, self.sched, self.sample_held, q = _first_slots(cfg, state, full, held, q,
+                                                             width=width)
+        out, pages, kept, part = self._attend(st.first_slots_config(cfg, width), part, q,
+                                              implementation)
+        out, self.candidates, kept, state, self.sched, self.sample_held = _put_first_slots(
+            state, part, full, self.sched, held, self.sample_held, out, pages, kept)
+        return out, self.candidates, kept, state
 
     def _attend(self, cfg: HiSparseConfig, state, q, implementation):
         sel, plan, fetch = _select_and_plan(cfg, state, q, self.sched,

@@ -163,8 +163,13 @@ def first_slots(cfg: HiSparseConfig, state: CacheState, n: int, axis: int = 0):
     if n >= cfg.max_seqs:
         return cfg, state
     first = (slice(None),) * axis + (slice(0, n),)
-    return (cfg.replace(max_seqs=n, num_pool_pages=cfg.pool_pages),
+    return (first_slots_config(cfg, n),
             state.replace(**{f: getattr(state, f)[first] for f in SLOT_FIELDS}))
+
+
+def first_slots_config(cfg: HiSparseConfig, n: int) -> HiSparseConfig:
+    """`first_slots`' config: n slots over the same pool."""
+    return cfg if n >= cfg.max_seqs else cfg.replace(max_seqs=n, num_pool_pages=cfg.pool_pages)
 
 
 def put_first_slots(full: CacheState, part: CacheState, axis: int = 0) -> CacheState:
