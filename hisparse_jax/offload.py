@@ -303,8 +303,9 @@ class ColdStore:
         -> (out [B, Hq, D], candidates [B, Hkv, C], kept (`attend_cold_slots`),
         the state with the candidates remembered). width: compute only slots
         0..width-1 (`state.decode_width`; the others' rows of out are 0, their
-        candidates and kept -1, and their working sets stay as they were). The working set and sample buffer keep their full size: the first
-        slots' pages sit at the same offsets in them."""
+        candidates and kept -1, and their working sets stay as they were). The
+        working set and sample buffer keep their full size: the first slots'
+        pages sit at the same offsets in them."""
         if width is None or width >= cfg.max_seqs:
             return self._attend(cfg, state, q, implementation)
         full, held = self.sched, self.sample_held
