@@ -47,6 +47,13 @@ Q4_1 GGUF. Measured (dense attention):
   0.006 and 0.011, llama.cpp's own 0.023 and 0.009.
 - teacher-forced: our argmax is llama.cpp's token on 446 of 448 steps (432 on
   the Q4_1 file), and its token is always within 0.011 of our best logit (0.28).
+- on another CPU (an AMD EPYC with AVX and FMA but no AVX2, where XLA:CPU
+  emits other kernels; the figures above are from a machine with AVX-512):
+  10 of 14 identical, each other one diverging where our top-2 margin is below
+  0.1 and llama.cpp's at most 0.113; 443 of 448 teacher-forced, within 0.036.
+  The same weights and code: the counts move with the CPU's summation order, so
+  their bounds below leave room for a third CPU, and what is checked strictly is
+  that every disagreement is a tie.
 - last-position logits (19 prompts): top-32 log-probabilities within 0.098
   (0.80 on the Q4_1 file), mean-centred strided logits within 0.135 (0.70), raw
   top-32 within 0.139 (1.08), raw strided within 0.23 (1.55); top-1 equal on all
@@ -97,9 +104,9 @@ RAW_STRIDED_TOL = 2.0  # raw strided logits (1.55)
 MIN_IDENTICAL = 3      # of 14 free-running 32-token greedy continuations (3)
 HISPARSE_TOL = 0.7     # HiSparse (all pages) vs dense decode logits (0.49)
 # llama.cpp on the BF16 GGUF of our weights (measured in the module docstring)
-NEAR_TIE_BF16 = 0.1           # nats: greedy gaps and margins at divergences (0.011)
-MIN_IDENTICAL_BF16 = 12       # of 14 free-running 32-token continuations (12)
-MIN_FORCED_BF16 = 446         # of 448 teacher-forced steps (446)
+NEAR_TIE_BF16 = 0.1           # nats: greedy gaps and our margins at divergences (0.036)
+MIN_IDENTICAL_BF16 = 9        # of 14 free-running 32-token continuations (12; 10 on AVX)
+MIN_FORCED_BF16 = 440         # of 448 teacher-forced steps (446; 443 on AVX)
 LOGPROB_TOL_BF16 = 0.2        # top-32 log-probabilities (0.098)
 CENTRED_TOL_BF16 = 0.3        # strided logits minus their mean (0.135)
 RAW_TOP_TOL_BF16 = 0.3        # raw top-32 logits (0.139)
@@ -320,7 +327,8 @@ def test_bf16_greedy_free_running(ref_bf16, dense_runs):
     for i, row in enumerate(ref_bf16["chat"]):  # a tie for llama.cpp too
         diff = np.flatnonzero(toks[i] != np.array(row["greedy_ids"]))
         if diff.size:
-            assert row["margins"][diff[0]] < NEAR_TIE_BF16, (i, diff[0], row["margins"])
+            # within the log-probabilities' tolerance of a tie for llama.cpp too
+            assert row["margins"][diff[0]] < LOGPROB_TOL_BF16, (i, diff[0], row["margins"])
 
 
 def test_bf16_greedy_teacher_forced(ref_bf16, dense_runs):
