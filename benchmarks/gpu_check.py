@@ -18,6 +18,15 @@ Timed implementations per case (Llama-3-8B heads: 32 q heads, 8 kv heads, D 128)
 Each: one compile call (timed apart), warm-up, then the median of N calls each
 ending in block_until_ready. bytes = bytes the step must read from HBM (model
 below); bytes/s is compared with the ~4.3e12 B/s copy ceiling of the H200.
+
+Then the model steps (`--model-steps`, each a `hisparse` subprocess with its own
+time limit, its rows appended to the same file):
+  bench_generate  `hisparse bench generate --model llama3-8b-shapes` at 32K and
+                  128K tokens, HiSparse against dense (issue 14's device step);
+  bench_serve     `hisparse serve --model llama3-8b-shapes --max-context 131072
+                  --offload` loaded by `hisparse bench serve` with ~120K-token
+                  prompts, and the server's offload counters (issue 15's).
+--dry-run runs the same steps on smollm2-135m at small sizes.
 """
 
 from __future__ import annotations
@@ -29,8 +38,12 @@ import math
 import os
 import platform
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,8 +109,7 @@ def make_steps(dims, interpret):
 
 
 def checks(interpret, dry_run):
-    """Each kernel vs its reference on this backend. Returns JSON rows."""
-    rows = []
+    """Each kernel vs its reference on this backend: JSON rows, one by one."""
     key = jax.random.PRNGKey(0)
     d, h, g, page, b = (64, 2, 4, 16, 2) if dry_run else (128, 8, 4, 16, 2)
     arrays, dims = make_case(key, batch=b, context=2048 if dry_run else 8192, kv_heads=h,
@@ -110,7 +122,7 @@ def checks(interpret, dry_run):
     got = lookup_kernel.page_scores(*args, interpret=interpret)
     ref = jax.jit(lookup_ref.page_scores)(*args)
     err = max(rel_err(x, y) for x, y in zip(got, ref))
-    rows.append({"kind": "check", "kernel": "lookup.page_scores", "max_rel_err": err,
+    yield ({"kind": "check", "kernel": "lookup.page_scores", "max_rel_err": err,
                      "ok": bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))})
     # sparse decode, with NaN in masked slots and unused pool page 0
     bound, center = ref
@@ -133,7 +145,7 @@ def checks(interpret, dry_run):
             *x, sm_scale=1 / math.sqrt(d), cold_logw=logw))(*dargs)
         tol = {"bf16x3": 1e-4, "f32": 1e-4, "bf16": 3e-2}[prec]
         err = max(rel_err(o, ro), rel_err(lse, rlse))
-        rows.append({"kind": "check", "kernel": f"sparse_decode[{prec}]", "max_rel_err": err,
+        yield ({"kind": "check", "kernel": f"sparse_decode[{prec}]", "max_rel_err": err,
                          "finite": bool(np.isfinite(np.asarray(o)).all()),
                          "ok": bool(err < tol and np.isfinite(np.asarray(o)).all())})
     # encoders, bit exact
@@ -149,9 +161,8 @@ def checks(interpret, dry_run):
              lambda v: quant_ref.encode_cold_values(v, 32))):
         got, ref = f(x), jax.jit(fr)(x)
         mism = sum(int(np.sum(_bits(u) != _bits(r))) for u, r in zip(got, ref))
-        rows.append({"kind": "check", "kernel": name, "mismatches": mism, "ok": mism == 0})
-    rows.append(offload_check(interpret))
-    return rows
+        yield ({"kind": "check", "kernel": name, "mismatches": mism, "ok": mism == 0})
+    yield offload_check(interpret)
 
 
 def offload_check(interpret):
@@ -193,6 +204,146 @@ def _same_inf(x, y):
     return bool(np.array_equal(np.isneginf(np.asarray(x)), np.isneginf(np.asarray(y))))
 
 
+# ----------------------------------------------------------------------------- model steps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HISPARSE = [sys.executable, "-m", "hisparse_jax.cli"]
+
+
+def model_step_plan(dry_run: bool) -> dict:
+    if dry_run:
+        return {"model": "smollm2-135m", "steps": [("generate", "512", "1,2"), ("serve",)],
+                "serve_context": 1024,
+                "serve_seqs": 2, "prompt_len": "600", "output_len": "8", "prompts": 2,
+                "limit_s": 300}
+    # batch 8 at 128K would need 128 GiB of bf16 K/V for dense: HiSparse alone there
+    return {"model": "llama3-8b-shapes",
+            "steps": [("generate", "32768,131072", "1"), ("serve",), ("generate", "32768", "8"),
+                      ("generate", "131072", "8", "hisparse")],
+            "serve_context": 131072, "serve_seqs": 2, "prompt_len": "100000:120000",
+            "output_len": "64", "prompts": 3, "limit_s": 240}
+
+
+def _run_logged(cmd, log_path, timeout, env=None):
+    """Runs cmd with stdout+stderr appended to log_path; -> (rc or 'timeout', stdout)."""
+    with open(log_path, "a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        try:
+            p = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                               timeout=timeout, env=env)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            log.write(out)
+            return "timeout", out
+        log.write(p.stdout)
+        return p.returncode, p.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_steps(dry_run: bool, out_dir: str, emit, deadline: float):
+    """Issue 14's and 15's device steps (module docstring); each row names its
+    command, and a step that fails or runs out of time says so in its row."""
+    plan = model_step_plan(dry_run)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = os.path.join(out_dir, "model_steps.log")
+    for step, *what in plan["steps"]:
+        if step == "serve":
+            serve_step(plan, out_dir, emit, deadline, env, log)
+        else:
+            generate_step(plan, *what, emit=emit, deadline=deadline, env=env, log=log)
+
+
+def generate_step(plan, context, batch, *engines, emit, deadline, env, log):
+    """One `hisparse bench generate` run: its rows, or one saying why there are none."""
+    cmd = HISPARSE + ["bench", "generate", "--model", plan["model"], "--context", context,
+                      "--batch", batch, "--engines", ",".join(engines or ["hisparse",
+                                                                           "dense"]),
+                      "--decode", "32", "--json"]
+    left = deadline - time.time()
+    if left < 30:
+        emit({"kind": "bench_generate", "step_command": shlex.join(cmd), "skipped": "time"})
+        return
+    rc, out = _run_logged(cmd, log, min(left, plan["limit_s"]), env)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    for r in rows:
+        emit({"kind": "bench_generate", **r})
+    if rc != 0:
+        emit({"kind": "bench_generate", "step_command": shlex.join(cmd), "rc": rc,
+              "rows": len(rows), "error": "see model_steps.log"})
+
+
+def serve_step(plan, out_dir, emit, deadline, env, log):
+    """`hisparse serve --offload` on a free loopback port, loaded by `hisparse bench
+    serve`; one row: the bench's figures and the server's offload counters."""
+    left = deadline - time.time()
+    if left < 60:
+        emit({"kind": "bench_serve", "skipped": "time"})
+        return
+    port = _free_port()
+    serve_cmd = HISPARSE + ["serve", "--model", plan["model"], "--max-context",
+                            str(plan["serve_context"]), "--max-seqs", str(plan["serve_seqs"]),
+                            "--offload", "--prefill-budget", "4096", "--port", str(port)]
+    t0 = time.time()
+    with open(os.path.join(out_dir, "serve.log"), "w") as slog:
+        slog.write(f"$ {shlex.join(serve_cmd)}\n")
+        slog.flush()
+        server = subprocess.Popen(serve_cmd, stdout=slog, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    row = {"kind": "bench_serve", "serve_command": shlex.join(serve_cmd)}
+    try:
+        while time.time() < deadline - 30 and server.poll() is None:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            emit({**row, "error": f"server not up (rc {server.poll()}), see serve.log"})
+            return
+        row["server_ready_s"] = round(time.time() - t0, 1)
+        result = os.path.join(out_dir, "bench_serve.json")
+        cmd = HISPARSE + ["bench", "serve", "--base-url", base, "--tokenizer", "none",
+                          "--dataset", "random", "--input-len", plan["prompt_len"],
+                          "--output-len", plan["output_len"], "--num-prompts",
+                          str(plan["prompts"]), "--max-concurrency", str(plan["serve_seqs"]),
+                          "--warmup", "1", "--ignore-eos", "--no-progress", "--json", result]
+        # the client needs no accelerator (and must not take the GPU's memory)
+        rc, _ = _run_logged(cmd, log, max(1, deadline - time.time() - 15),
+                            {**env, "JAX_PLATFORMS": "cpu"})
+        if os.path.exists(result):
+            with open(result) as f:
+                for x in f:
+                    if x.strip():
+                        row.update(json.loads(x))
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        with open(os.path.join(out_dir, "metrics.txt"), "w") as f:
+            f.write(metrics)
+        row["server_metrics"] = {
+            ln.split()[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
+            if ln.startswith(("hisparse:offload", "hisparse:cold_pages_read",
+                              "hisparse:generation_tokens_total",
+                              "hisparse:prompt_tokens_total", "hisparse:request_success"))}
+        emit({**row, "rc": rc})
+    except Exception as e:  # noqa: BLE001 -- the row says what broke; the rows before stand
+        emit({**row, "error": repr(e)[:2000]})
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -207,8 +358,43 @@ def main(argv=None):
     ap.add_argument("--impls", nargs="*", default=None,
                     help="subset of dense_bf16 sparse_xla sparse_pallas lookup_pallas decode_pallas")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true", help="no kernel timing")
+    ap.add_argument("--model-steps", action="store_true",
+                    help="then the model steps (bench generate, serve + bench serve)")
+    ap.add_argument("--budget-s", type=float, default=480,
+                    help="wall-clock limit for the whole script; steps past it are skipped")
     ap.add_argument("--out", default=None, help="JSON-lines file (default benchmarks/results/...)")
     args = ap.parse_args(argv)
+    deadline = time.time() + args.budget_s
+    now = _dt.datetime.now(_dt.UTC)
+    out_path = os.path.abspath(args.out or os.path.join(
+        ROOT, "benchmarks", "results",
+        f"gpu_check-{now:%Y%m%dT%H%M%SZ}{'-dry' if args.dry_run else ''}.jsonl"))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    if args.model_steps:
+        # The kernel part in a process of its own: JAX keeps most of the GPU's memory
+        # until its process exits, and the model steps need it.
+        if not (args.skip_checks and args.skip_kernels):
+            argv = sys.argv[1:] if argv is None else list(argv)
+            child = [sys.executable, os.path.abspath(__file__),
+                     *[a for a in argv if a != "--model-steps"], "--out", out_path,
+                     "--budget-s", str(round(args.budget_s * 0.3))]
+            try:
+                subprocess.run(child, cwd=ROOT, check=False, timeout=args.budget_s * 0.35)
+            except subprocess.TimeoutExpired:
+                print("gpu_check: the kernel part ran out of time", file=sys.stderr)
+        common = {"date": now.isoformat(timespec="seconds"), "commit": _commit(),
+                  "host": platform.node(), "dry_run": args.dry_run}
+        n = 0
+
+        def emit_step(row):
+            nonlocal n
+            n += 1
+            _emit(out_path, {**common, **row})
+
+        model_steps(args.dry_run, os.path.dirname(out_path), emit_step, deadline)
+        print(f"wrote {n} model-step rows to {out_path}")
+        return 0
 
     backend = jax.default_backend()
     interpret = True if args.dry_run else backend != "gpu"
@@ -224,39 +410,31 @@ def main(argv=None):
     warmup = 1 if args.dry_run else args.warmup
     impls = args.impls or ["dense_bf16", "sparse_xla", "sparse_pallas", "lookup_pallas",
                            "decode_pallas"]
-
-    now = _dt.datetime.now(_dt.UTC)
-    out_path = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"gpu_check-{now:%Y%m%dT%H%M%SZ}{'-dry' if args.dry_run else ''}.jsonl")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False, cwd=os.path.dirname(os.path.abspath(__file__))
-                                ).stdout.strip() or None
-    except OSError:
-        commit = None
     common = {"date": now.isoformat(timespec="seconds"),
-                  "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-                  "commit": commit, "backend": backend, "device": str(jax.devices()[0].device_kind),
-                  "jax": jax.__version__, "host": platform.node(), "dry_run": args.dry_run,
-                  "interpret": interpret}
+              "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+              "commit": _commit(), "backend": backend,
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "host": platform.node(), "dry_run": args.dry_run, "interpret": interpret}
     rows = []
 
     def emit(row):
         row = {**common, **row}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("command", "host")}),
-              flush=True)
-        with open(out_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _emit(out_path, row)
 
     if not args.skip_checks:
-        for row in checks(interpret, args.dry_run):
-            emit(row)
+        try:
+            for row in checks(interpret, args.dry_run):
+                emit(row)
+        except Exception as e:  # noqa: BLE001 -- the row says which check broke
+            emit({"kind": "check", "kernel": "(next after the rows above)", "ok": False,
+                  "error": repr(e)[:2000]})
 
-    for context in contexts:
+    for context in [] if args.skip_kernels else contexts:
         for batch in batches:
+            if time.time() > deadline:
+                emit({"kind": "time", "context": context, "batch": batch, "skipped": "time"})
+                continue
             key = jax.random.PRNGKey(context + batch)
             arrays, dims = make_case(key, batch=batch, context=context,
                                      with_dense="dense_bf16" in impls, **shapes)
@@ -289,6 +467,21 @@ def main(argv=None):
     print(f"wrote {len(rows)} rows to {out_path}")
     bad = [r for r in rows if r.get("kind") == "check" and not r["ok"]]
     return 1 if bad else 0
+
+
+def _emit(path, row):
+    print(json.dumps({k: v for k, v in row.items() if k not in ("command", "host")}),
+          flush=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=False, cwd=ROOT).stdout.strip() or None
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

@@ -57,12 +57,14 @@ def fill_slots(engine, ids) -> tuple[float, float]:
 
 
 def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: int,
-            rerank_multiple: float | None = None) -> dict:
+            rerank_multiple: float | None = None, implementation: str | None = None) -> dict:
+    from hisparse_jax.config import resolve_implementation
     from hisparse_jax.models.engine import Engine
     context = len(ids)
     over = {} if rerank_multiple is None else {"rerank_multiple": rerank_multiple}
     engine = Engine(model, max_seqs=batch, max_context=context + decode + 1,
-                    attention=attention, budget_tokens=budget_tokens, cache_overrides=over)
+                    attention=attention, budget_tokens=budget_tokens, cache_overrides=over,
+                    implementation=implementation if attention == "hisparse" else None)
     compile_s = engine.warmup(context)
     prefill_s, fill_s = fill_slots(engine, ids)
     t2 = time.perf_counter()
@@ -73,6 +75,8 @@ def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: 
             "budget_tokens": budget_tokens if attention == "hisparse" else None,
             "rerank_multiple": engine.cache_cfg.rerank_multiple if attention == "hisparse"
             else None,
+            "implementation": resolve_implementation(implementation, engine.cache_cfg)
+            if attention == "hisparse" else None,
             "prefill_tok_s": round(context / prefill_s, 1),
             "fill_s": round(fill_s, 1),
             "decode_tok_s": round(batch * decode / (t3 - t2), 2),
@@ -118,11 +122,13 @@ def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
 
 def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
         budget_tokens: int | None = None, threads: int = 2, log=print,
-        rerank_multiples=(None,), **overrides) -> Iterator[dict]:
+        rerank_multiples=(None,), implementation: str | None = None,
+        **overrides) -> Iterator[dict]:
     """Rows, one per (context, batch, engine); llama.cpp once per context (batch 1).
     budget_tokens None: a 16th of each context (a multiple of 16, at least 64).
     HiSparse gets a row per rerank_multiples value (None: the config's default),
-    so that candidate counts are timed side by side."""
+    so that candidate counts are timed side by side. implementation: HiSparse's
+    kernels, "pallas" or "xla" (None: Pallas on a GPU, XLA elsewhere)."""
     from hisparse_jax.models.registry import load, resolve
     src = resolve(model_name)
     if "llamacpp" in engines and overrides:
@@ -146,8 +152,8 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
                         continue
                     rows = [measure_llamacpp(str(src.path), ids, decode, threads)]
                 elif engine == "hisparse":
-                    rows = [measure(model, ids, engine, batch, decode, budget, m)
-                            for m in rerank_multiples]
+                    rows = [measure(model, ids, engine, batch, decode, budget, m,
+                                    implementation) for m in rerank_multiples]
                 else:
                     rows = [measure(model, ids, engine, batch, decode, budget)]
                 for row in rows:

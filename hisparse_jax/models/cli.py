@@ -140,6 +140,7 @@ def main_bench_generate(args):
         for row in run(args.model, args.context, args.batch, engines, args.decode,
                        args.budget_tokens, args.threads, log=_log,
                        rerank_multiples=args.rerank_multiple or (None,),
+                       implementation=args.implementation,
                        **rope_overrides(args)):
             row["command"] = args.command_line
             if args.json:
@@ -171,6 +172,8 @@ def add_model_bench_parsers(bench_subparsers):
     b.add_argument("--rerank-multiple", type=number_list(1.0), default=None, metavar="X,Y,...",
                    help="HiSparse candidates per budget page, a row each (default: the "
                         "config's)")
+    b.add_argument("--implementation", choices=("pallas", "xla"), default=None,
+                   help="HiSparse's kernels (default: Pallas on a GPU, XLA elsewhere)")
     b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
     b.add_argument("--json", action="store_true", help="one JSON line per row")
     add_rope_flags(b)
