@@ -145,9 +145,18 @@ def checks(interpret, dry_run):
             *x, sm_scale=1 / math.sqrt(d), cold_logw=logw))(*dargs)
         tol = {"bf16x3": 1e-4, "f32": 1e-4, "bf16": 3e-2}[prec]
         err = max(rel_err(o, ro), rel_err(lse, rlse))
+        o, ro, lse, rlse = (np.asarray(x, np.float32) for x in (o, ro, lse, rlse))
+        both = np.isfinite(o) & np.isfinite(ro)
         yield ({"kind": "check", "kernel": f"sparse_decode[{prec}]", "max_rel_err": err,
-                         "finite": bool(np.isfinite(np.asarray(o)).all()),
-                         "ok": bool(err < tol and np.isfinite(np.asarray(o)).all())})
+                "finite": bool(np.isfinite(o).all()),
+                # where the error comes from, if any: non-finite entries, or values
+                "nonfinite_out": int((~np.isfinite(o)).sum()),
+                "nonfinite_ref": int((~np.isfinite(ro)).sum()),
+                "nonfinite_lse": int((~np.isfinite(lse)).sum()),
+                "nonfinite_lse_ref": int((~np.isfinite(rlse)).sum()),
+                "max_abs_diff_finite": float(np.abs(o - ro)[both].max(initial=0.0)),
+                "max_abs_ref": float(np.abs(ro)[np.isfinite(ro)].max(initial=0.0)),
+                "ok": bool(err < tol and np.isfinite(o).all())})
     # encoders, bit exact
     x = jax.random.normal(jax.random.PRNGKey(1), (64, h, page, d), jnp.float32) * 3
     for name, f, fr in (
@@ -161,7 +170,12 @@ def checks(interpret, dry_run):
              lambda v: quant_ref.encode_cold_values(v, 32))):
         got, ref = f(x), jax.jit(fr)(x)
         mism = sum(int(np.sum(_bits(u) != _bits(r))) for u, r in zip(got, ref))
-        yield ({"kind": "check", "kernel": name, "mismatches": mism, "ok": mism == 0})
+        # how far apart: 1-ulp rounding (approximate division) or garbage
+        diff = max(float(np.nanmax(np.abs(np.asarray(u, np.float32) - np.asarray(r, np.float32)),
+                                   initial=0.0)) for u, r in zip(got, ref))
+        yield ({"kind": "check", "kernel": name, "mismatches": mism,
+                "size": sum(int(np.size(r)) for r in ref), "max_abs_diff": diff,
+                "ok": mism == 0})
     yield offload_check(interpret)
 
 
@@ -246,10 +260,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def model_steps(dry_run: bool, out_dir: str, emit, deadline: float):
+def model_steps(dry_run: bool, out_dir: str, emit, deadline: float, **override):
     """Issue 14's and 15's device steps (module docstring); each row names its
-    command, and a step that fails or runs out of time says so in its row."""
-    plan = model_step_plan(dry_run)
+    command, and a step that fails or runs out of time says so in its row.
+    override: plan entries to replace (`main`'s --steps, --serve-prompt-len, ...)."""
+    plan = {**model_step_plan(dry_run), **{k: v for k, v in override.items() if v is not None}}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = os.path.join(out_dir, "model_steps.log")
     for step, *what in plan["steps"]:
@@ -265,6 +280,8 @@ def generate_step(plan, context, batch, *engines, emit, deadline, env, log):
                       "--batch", batch, "--engines", ",".join(engines or ["hisparse",
                                                                            "dense"]),
                       "--decode", "32", "--json"]
+    if plan.get("implementation"):
+        cmd += ["--implementation", plan["implementation"]]
     left = deadline - time.time()
     if left < 30:
         emit({"kind": "bench_generate", "step_command": shlex.join(cmd), "skipped": "time"})
@@ -289,6 +306,8 @@ def serve_step(plan, out_dir, emit, deadline, env, log):
     serve_cmd = HISPARSE + ["serve", "--model", plan["model"], "--max-context",
                             str(plan["serve_context"]), "--max-seqs", str(plan["serve_seqs"]),
                             "--offload", "--prefill-budget", "4096", "--port", str(port)]
+    if plan.get("implementation"):
+        serve_cmd += ["--implementation", plan["implementation"]]
     t0 = time.time()
     with open(os.path.join(out_dir, "serve.log"), "w") as slog:
         slog.write(f"$ {shlex.join(serve_cmd)}\n")
@@ -361,6 +380,13 @@ def main(argv=None):
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel timing")
     ap.add_argument("--model-steps", action="store_true",
                     help="then the model steps (bench generate, serve + bench serve)")
+    ap.add_argument("--steps", nargs="+", default=None, metavar="STEP",
+                    help="model steps instead of the default plan: serve, or "
+                         "generate:CONTEXTS:BATCHES[:ENGINES] (e.g. generate:32768:1,8)")
+    ap.add_argument("--implementation", choices=("pallas", "xla"), default=None,
+                    help="HiSparse's kernels in the model steps (default: Pallas on a GPU)")
+    ap.add_argument("--serve-prompt-len", default=None, metavar="N|A:B")
+    ap.add_argument("--serve-prompts", type=int, default=None, metavar="N")
     ap.add_argument("--budget-s", type=float, default=480,
                     help="wall-clock limit for the whole script; steps past it are skipped")
     ap.add_argument("--out", default=None, help="JSON-lines file (default benchmarks/results/...)")
@@ -392,7 +418,10 @@ def main(argv=None):
             n += 1
             _emit(out_path, {**common, **row})
 
-        model_steps(args.dry_run, os.path.dirname(out_path), emit_step, deadline)
+        steps = None if args.steps is None else [tuple(x.split(":")) for x in args.steps]
+        model_steps(args.dry_run, os.path.dirname(out_path), emit_step, deadline,
+                    steps=steps, implementation=args.implementation,
+                    prompt_len=args.serve_prompt_len, prompts=args.serve_prompts)
         print(f"wrote {n} model-step rows to {out_path}")
         return 0
 

@@ -67,6 +67,7 @@ class ServeConfig:
     fault_injection: bool = False        # tests only: honour a request's fault_nan_kv_after
     offload: bool = False                # cold pages in host memory (HiSparse)
     offload_policy: str = "predictive"   # the working sets' scheduler (scheduler.POLICIES)
+    implementation: str | None = None    # HiSparse kernels: "pallas", "xla" (None: by backend)
 
     def __post_init__(self):
         if not (isinstance(self.models, tuple) and self.models
@@ -94,6 +95,8 @@ class ServeConfig:
         if self.offload_policy != "predictive" and not self.offload:
             raise ValueError("offload_policy: only with offload (the scheduler of the "
                              "offloaded cold pages)")
+        if self.implementation not in (None, "pallas", "xla"):
+            raise ValueError(f"implementation={self.implementation!r}: choose from pallas, xla")
         if self.kv_pool_pages is not None:
             check_int("kv_pool_pages", self.kv_pool_pages, minimum=1)
             if self.attention != "hisparse":

@@ -52,7 +52,9 @@ def build_state(cfg):
             policy = scheduler.LRU if cfg.offload_policy == "lru" else scheduler.Policy()
         engine = Engine(model, max_seqs=seqs, max_context=context,
                         attention=cfg.attention, budget_tokens=budget,
-                        cache_overrides=pool, offload=cfg.offload, policy=policy)
+                        cache_overrides=pool, offload=cfg.offload, policy=policy,
+                        implementation=cfg.implementation if cfg.attention == "hisparse"
+                        else None)
         log.info("%s: %s", name, line)
         if cfg.attention == "hisparse":
             log.info("%s: decode budget %d cold tokens per KV head%s", name, budget,
@@ -148,7 +150,8 @@ def main_serve(args):
                       prefill_budget=args.prefill_budget, record_traffic=args.record_traffic,
                       kv_cache_memory=args.kv_cache_memory,
                       kv_pool_pages=args.kv_pool_pages, fault_injection=args.fault_injection,
-                      offload=args.offload, offload_policy=args.offload_policy)
+                      offload=args.offload, offload_policy=args.offload_policy,
+                      implementation=args.implementation)
     serve(cfg)
 
 
@@ -185,6 +188,8 @@ def add_serving_parsers(subparsers):
                    help="tests only: honour a request's 'fault_nan_kv_after': N (its K/V "
                         "turn NaN after N tokens)")
     s.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
+    s.add_argument("--implementation", choices=("pallas", "xla"), default=None,
+                   help="HiSparse's kernels (default: Pallas on a GPU, XLA elsewhere)")
     s.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
                    help="cold tokens attended per KV head (multiple of 16), or 'all' "
                         "(default: a 16th of --max-context, at least 512, at most 2048)")
