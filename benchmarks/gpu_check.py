@@ -120,7 +120,10 @@ def checks(interpret, dry_run):
     args = (arrays["q"], arrays["digest_center"], arrays["digest_radius"],
             arrays["page_table"])
     got = lookup_kernel.page_scores(*args, interpret=interpret)
-    ref = jax.jit(lookup_ref.page_scores)(*args)
+    # References in full f32: XLA's default on a GPU rounds f32 dots to TF32 (about
+    # 1e-4 of the output on the H200, 2026-12-04), the kernels do not.
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(lookup_ref.page_scores)(*args)
     err = max(rel_err(x, y) for x, y in zip(got, ref))
     yield ({"kind": "check", "kernel": "lookup.page_scores", "max_rel_err": err,
                      "ok": bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))})
@@ -141,8 +144,9 @@ def checks(interpret, dry_run):
         cfg = decode_kernel.DecodeConfig(precision=prec)
         o, lse = decode_kernel.sparse_decode(*dargs, sm_scale=1 / math.sqrt(d), cold_logw=logw,
                                              interpret=interpret, config=cfg)
-        ro, rlse = jax.jit(lambda *x: decode_ref.sparse_decode(
-            *x, sm_scale=1 / math.sqrt(d), cold_logw=logw))(*dargs)
+        with jax.default_matmul_precision("highest"):
+            ro, rlse = jax.jit(lambda *x: decode_ref.sparse_decode(
+                *x, sm_scale=1 / math.sqrt(d), cold_logw=logw))(*dargs)
         tol = {"bf16x3": 1e-4, "f32": 1e-4, "bf16": 3e-2}[prec]
         err = max(rel_err(o, ro), rel_err(lse, rlse))
         o, ro, lse, rlse = (np.asarray(x, np.float32) for x in (o, ro, lse, rlse))
