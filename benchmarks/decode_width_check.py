@@ -44,7 +44,8 @@ def main(argv=None) -> int:
         ids = tok.encode(f.read())
     if len(ids) < args.tokens + 1000 + 20 * args.max_seqs:
         raise SystemExit(f"--tokens {args.tokens}: the text has {len(ids)} tokens")
-    kw = dict(max_seqs=args.max_seqs, max_context=args.max_context, budget_tokens=args.budget)
+    kw = {"max_seqs": args.max_seqs, "max_context": args.max_context,
+          "budget_tokens": args.budget}
     engines = {}
     for w in Engine(model, **kw).decode_widths():
         e = Engine(model, **kw)

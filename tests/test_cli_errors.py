@@ -40,6 +40,9 @@ CASES = [
     (["bench", "generate", "--context", "8"], "--context 8: at least 64 tokens"),
     (["bench", "generate", "--budget-tokens", "17"], "--budget-tokens 17: must be a multiple"),
     (["bench", "generate", "--batch", "0"], "argument --batch: every value must be >= 1"),
+    (["bench", "generate", "--implementation", "cuda"],
+     "argument --implementation: invalid choice: 'cuda'"),
+    (["serve", "--implementation", "cuda"], "argument --implementation: invalid choice: 'cuda'"),
     (["generate", "--prompt", "hi", "--rope-scaling", "foo:2"],
      "rope_scaling='foo:2': RopeScaling.kind='foo': must be one of"),
     (["generate", "--prompt", "hi", "--rope-scaling", "llama3"],
@@ -151,3 +154,12 @@ def test_a_real_process_prints_one_line_and_exits_2():
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "hisparse capacity: error: argument --working-set: must be >= 1.0, got 0.5"]
+
+
+def test_python_dash_m_runs_the_cli():
+    """`python -m hisparse_jax.cli` is `hisparse` where the script is not installed
+    (the H200 runs benchmarks/gpu_check.py's steps this way)."""
+    p = subprocess.run([sys.executable, "-m", "hisparse_jax.cli", "bench", "generate",
+                        "--context", "8"], capture_output=True, text=True, check=False)
+    assert p.returncode == 2
+    assert "hisparse bench generate: error: --context 8: at least 64 tokens" in p.stderr

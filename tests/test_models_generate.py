@@ -122,7 +122,8 @@ def test_bench_generate_rows(model, monkeypatch, capsys):
     import json
     monkeypatch.setattr(registry, "load", lambda name, **kw: model)
     argv = ["bench", "generate", "--context", "600", "--batch", "2", "--engines",
-            "hisparse,dense", "--rerank-multiple", "1,2", "--decode", "2", "--json"]
+            "hisparse,dense", "--rerank-multiple", "1,2", "--decode", "2", "--json",
+            "--implementation", "xla"]
     main(argv)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["engine"], r["rerank_multiple"]) for r in rows] == [
@@ -130,6 +131,7 @@ def test_bench_generate_rows(model, monkeypatch, capsys):
     for r in rows:
         assert (r["context"], r["batch"], r["model"]) == (600, 2, "smollm2-135m")
         assert r["budget_tokens"] == (64 if r["engine"] == "hisparse" else None)
+        assert r["implementation"] == ("xla" if r["engine"] == "hisparse" else None)
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
         assert r["command"].endswith(" ".join(argv[1:]))
 

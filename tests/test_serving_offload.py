@@ -96,6 +96,8 @@ def test_offload_needs_hisparse():
         ServeConfig(offload=True, offload_policy="fifo")
     with pytest.raises(ValueError, match="offload_policy: only with offload"):
         ServeConfig(offload_policy="lru")
+    with pytest.raises(ValueError, match="implementation='triton': choose from pallas, xla"):
+        ServeConfig(implementation="triton")
 
 
 def test_offload_series_only_for_an_offloaded_model():
