@@ -146,9 +146,14 @@ def tiny():
 
 
 def test_decode_equals_longer_prefill(tiny):
-    """A decode step gives exactly the logits of a prefill one token longer (both
-    attend the bf16 K/V the cache holds), per slot, with slots at different
-    lengths and one of them idle."""
+    """A decode step gives the logits of a prefill one token longer (both attend
+    the bf16 K/V the cache holds), per slot, with slots at different lengths and
+    one of them idle. Bit-equal on three CPUs; on an AMX-capable Xeon (2026-12-04)
+    the step (3 rows) and the prefill (6 to 24 rows) sum in other orders, 7.6e-6
+    apart at first, and a flipped bf16 rounding of a stored K/V then moved later
+    steps' logits by up to 0.084 (5.4e-4 of the largest). So: within 2e-3 of the
+    largest logit, the same greedy token unless the reference's top two are
+    closer than that. A position off by one (RoPE at lens + 1) fails this."""
     e = Engine(tiny, max_seqs=3, max_context=128, attention="dense")
     ref = Engine(tiny, max_context=128, attention="dense")
     prompts = {0: [5, 6, 7, 8, 9], 2: list(range(20, 40))}
@@ -160,8 +165,12 @@ def test_decode_equals_longer_prefill(tiny):
         for s, p in prompts.items():
             p.append(int(before[s]))
             ref.prefill(0, p)
-            np.testing.assert_array_equal(np.asarray(e.logits)[s], np.asarray(ref.logits))
-            assert nxt[s] == int(np.argmax(np.asarray(ref.logits)))
+            want = np.asarray(ref.logits)
+            tol = 2e-3 * np.abs(want).max()
+            np.testing.assert_allclose(np.asarray(e.logits)[s], want, rtol=0, atol=tol)
+            top2 = np.sort(want)[-2:]
+            if top2[1] - top2[0] > 2 * tol:
+                assert nxt[s] == int(np.argmax(want))
     assert list(e.lens) == [9, 0, 24]
 
 
