@@ -234,12 +234,17 @@ def model_step_plan(dry_run: bool) -> dict:
                 "serve_context": 1024,
                 "serve_seqs": 2, "prompt_len": "600", "output_len": "8", "prompts": 2,
                 "limit_s": 300}
-    # batch 8 at 128K would need 128 GiB of bf16 K/V for dense: HiSparse alone there
+    # Sized by the first H200 run (2026-12-04): prefill ran at ~3.5K tok/s at 32K and
+    # ~1.2K at 128K (so one 128K engine needs ~2 min), and the offloaded server
+    # finished one 19K-token request in ~2 min; 100K+ prompts did not fit. Batch 8
+    # at 128K would need 128 GiB of bf16 K/V for dense: HiSparse alone there.
     return {"model": "llama3-8b-shapes",
-            "steps": [("generate", "32768,131072", "1"), ("serve",), ("generate", "32768", "8"),
+            "steps": [("generate", "32768", "1"), ("serve",),
+                      ("generate", "131072", "1", "hisparse"),
+                      ("generate", "131072", "1", "dense"), ("generate", "32768", "8"),
                       ("generate", "131072", "8", "hisparse")],
-            "serve_context": 131072, "serve_seqs": 2, "prompt_len": "100000:120000",
-            "output_len": "64", "prompts": 3, "limit_s": 240}
+            "serve_context": 131072, "serve_seqs": 2, "prompt_len": "16000:20000",
+            "output_len": "32", "prompts": 2, "limit_s": 240}
 
 
 def _run_logged(cmd, log_path, timeout, env=None):
@@ -360,11 +365,14 @@ def serve_step(plan, out_dir, emit, deadline, env, log):
         emit({**row, "error": repr(e)[:2000]})
     finally:
         if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
+            # the server alone first: a SIGTERM to its group also stops the
+            # compiler processes it may be running, which it then logs as failures
+            server.send_signal(signal.SIGTERM)
             try:
-                server.wait(30)
+                server.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 # ----------------------------------------------------------------------------- main
