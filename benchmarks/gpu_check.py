@@ -14,7 +14,10 @@ Timed implementations per case (Llama-3-8B heads: 32 q heads, 8 kv heads, D 128)
                  whole context (the baseline: reads every K/V byte);
   sparse_xla     page scores + top-k selection + sparse decode, pure-jnp references;
   sparse_pallas  the same step with the Pallas kernels;
-  lookup_pallas, decode_pallas   the two Pallas kernels alone.
+  lookup_pallas, decode_pallas   the two Pallas kernels alone;
+  select_xla     the selection between them alone (top-k of the bound, tail
+                 sample; bytes = its inputs): on the H200 the step minus both
+                 kernels was 0.44-0.56 ms, most of the step at 32K-128K.
 Each: one compile call (timed apart), warm-up, then the median of N calls each
 ending in block_until_ready. bytes = bytes the step must read from HBM (model
 below); bytes/s is compared with the ~4.3e12 B/s copy ceiling of the H200.
@@ -102,7 +105,11 @@ def make_steps(dims, interpret):
             "sparse_xla": jax.jit(lambda a: xla["step"](a)[0]),
             "sparse_pallas": jax.jit(lambda a: pallas["step"](a)[0]),
             "lookup_pallas": pallas["lookup"],
-            "decode_pallas": pallas["sparse_decode"]}
+            "decode_pallas": pallas["sparse_decode"],
+            # the step's middle alone: top-k of the bound, the tail sample
+            "select_xla": jax.jit(lambda a: select_with_sample(
+                a["bound"], a["center"], a["page_table"], dims["cold_pages"],
+                dims["sample_pages"])[0])}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -387,7 +394,8 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=None)
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--impls", nargs="*", default=None,
-                    help="subset of dense_bf16 sparse_xla sparse_pallas lookup_pallas decode_pallas")
+                    help="subset of dense_bf16 sparse_xla sparse_pallas lookup_pallas "
+                         "decode_pallas select_xla")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel timing")
     ap.add_argument("--model-steps", action="store_true",
@@ -450,7 +458,7 @@ def main(argv=None):
     iters = args.iters or (2 if args.dry_run else 20)
     warmup = 1 if args.dry_run else args.warmup
     impls = args.impls or ["dense_bf16", "sparse_xla", "sparse_pallas", "lookup_pallas",
-                           "decode_pallas"]
+                           "decode_pallas", "select_xla"]
     common = {"date": now.isoformat(timespec="seconds"),
               "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
               "commit": _commit(), "backend": backend,
@@ -483,20 +491,21 @@ def main(argv=None):
             outs = {}
             for impl in impls:
                 a = arrays
-                if impl == "decode_pallas":
+                if impl in ("decode_pallas", "select_xla"):
                     bound, center = lookup_ref.page_scores(
                         arrays["q"], arrays["digest_center"], arrays["digest_radius"],
                         arrays["page_table"])
                     ids, logw = select_with_sample(bound, center, arrays["page_table"],
                                                    dims["cold_pages"], dims["sample_pages"])
-                    a = dict(arrays, cold_ids=ids, cold_logw=logw)
+                    a = dict(arrays, cold_ids=ids, cold_logw=logw, bound=bound, center=center)
                 try:
                     out, t = time_fn(steps[impl], a, iters, warmup)
                 except Exception as e:  # noqa: BLE001 -- one failing case must not hide the rest
                     emit(dict(kind="time", impl=impl, **dims, error=repr(e)[:2000]))
                     continue
                 outs[impl] = out
-                nbytes = bytes_model(dims, impl)
+                nbytes = (sum(a[n].nbytes for n in ("bound", "center", "page_table"))
+                          if impl == "select_xla" else bytes_model(dims, impl))
                 row = dict(kind="time", impl=impl, **dims, **t, bytes=nbytes,
                            bytes_per_s=nbytes / t["median_s"],
                            frac_of_peak=nbytes / t["median_s"] / PEAK_BYTES_PER_S)
