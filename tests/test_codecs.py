@@ -75,3 +75,30 @@ def test_fp8_relative_error():
     x = np.random.default_rng(2).normal(size=(256, 128)).astype(np.float32)
     xd = np.asarray(decode_fp8(*encode_fp8(jnp.asarray(x))))
     assert np.max(np.abs(xd - x) / np.max(np.abs(x), -1, keepdims=True)) <= 2 ** -4
+
+
+def test_round_bf16_matches_nextafter_on_edge_values():
+    """reference.round_bf16 steps the f32 bit pattern (no jnp.nextafter, whose bf16
+    lowering may differ between backends); it must give numpy's (ml_dtypes') bf16
+    nextafter answer: zeros, exact bf16 values, both signs, the largest finite bf16,
+    and random f32 over 60 decades. Not f32 subnormals: XLA:CPU flushes them to
+    zero (with nextafter as well), and no key or value is ever that small."""
+    import ml_dtypes
+
+    from pallas_kernels.quant import reference as qr
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    edge = [0.0, -0.0, 1.0, -1.0, 1.0 + 2**-10, -(1.0 + 2**-10), 2.0**-126, -(2.0**-126),
+            float(np.finfo(bf16).max), -float(np.finfo(bf16).max),
+            float(np.finfo(bf16).max) * 0.999, 0.1, -0.1, 448.0, 15.0 / 7.0]
+    x = np.concatenate([np.array(edge, np.float32),
+                        (rng.standard_normal(4096) * 10.0 ** rng.uniform(-30, 30, 4096)
+                         ).astype(np.float32)])
+    b = x.astype(bf16)
+    for up in (True, False):
+        wrong = b.astype(np.float32) < x if up else b.astype(np.float32) > x
+        want = np.where(wrong, np.nextafter(b, np.array(np.inf if up else -np.inf, bf16)), b)
+        got = np.asarray(qr.round_bf16(jnp.asarray(x), up=up))
+        np.testing.assert_array_equal(got.view(np.uint32),
+                                      want.astype(np.float32).view(np.uint32))

@@ -1,13 +1,15 @@
 """Tier encoders as Pallas (Triton backend) kernels, bit for bit equal to
 `reference.encode_fp8`, `reference.encode_cold_keys`, `reference.encode_cold_values`.
 
-Bit-exactness needs care with three ops the Triton lowering does differently
-from XLA:
-- f32 division: `arith.divf` becomes the approximate `div.full.f32` on NVIDIA,
-  so on the GPU divisions go through inline PTX `div.rn.f32` (IEEE, like XLA).
+Bit-exactness needs care with ops whose lowering differs between backends:
+- f32 division is plain `/` on both sides. XLA lowers it to `div.full.f32` on
+  NVIDIA (it sets `-nvptx-prec-divf32=1`), as Triton does `arith.divf`, and to
+  IEEE division on a CPU. The first H200 run (2026-12-04) had the kernels on
+  IEEE `div.rn.f32` (inline PTX), and their fp8 scales were one ulp off XLA's
+  in 48% of rows.
 - `round` (half to even) has no Triton lowering: written out with floor.
-- bf16 "round down/up" uses `nextafter` in bf16 in the reference; here the next
-  bf16 is stepped on the f32 bit pattern (bf16 = top 16 bits of an f32).
+- bf16 "round down/up" (`reference.round_bf16`) steps the f32 bit pattern (bf16
+  = its top 16 bits) in the reference and here alike, with no `nextafter`.
 int4 packing is half split: byte j = channel j (low nibble) | channel j+D/2 << 4.
 Value slices are not allowed in Triton kernels, so the two halves are read from
 the ref separately.
@@ -20,12 +22,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import is_pow2, pow2_floor, resolve_interpret
-from pallas_kernels.quant.reference import FP8_DTYPE, FP8_MAX, INT4_LEVELS, round_fp8_up
+from pallas_kernels.quant.reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    INT4_LEVELS,
+    round_bf16,
+    round_fp8_up,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +58,6 @@ def _params(cfg):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _div(x, y, interpret):
-    """IEEE f32 x / y (round to nearest even) on both backends."""
-    x, y = jnp.broadcast_arrays(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
-    if interpret:
-        return x / y
-    (out,) = pltr.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-    return out
-
-
 def _round_half_even(x):
     """jnp.round (ties to even) for |x| < 2**22, without lax.round."""
     f = jnp.floor(x)
@@ -70,28 +66,9 @@ def _round_half_even(x):
     return jnp.where(d > 0.5, f + 1.0, jnp.where(d < 0.5, f, jnp.where(odd, f + 1.0, f)))
 
 
-def _bf16_step(b, up):
-    """Next bf16 after b (an f32 holding a bf16 value) toward +inf (up) or -inf."""
-    bits = lax.bitcast_convert_type(b, jnp.int32)
-    one = jnp.int32(0x10000)
-    away = jnp.where(b > 0, up, not up)  # moving away from zero grows the magnitude
-    stepped = jnp.where(away, bits + one, bits - one)
-    # From zero: the smallest subnormal bf16 with the direction's sign.
-    tiny = jnp.int32(0x00010000) if up else jnp.int32(-0x7FFF0000)  # 0x80010000
-    stepped = jnp.where(b == 0, tiny, stepped)
-    return lax.bitcast_convert_type(stepped, jnp.float32)
-
-
-def _round_bf16(x, up):
-    """reference.round_bf16_down / _up, returned as f32 holding a bf16 value."""
-    b = x.astype(jnp.bfloat16).astype(jnp.float32)
-    wrong = (b < x) if up else (b > x)
-    return jnp.where(wrong, _bf16_step(b, up), b)
-
-
-def _quantize(x, lo, step, interpret):
+def _quantize(x, lo, step):
     safe = jnp.where(step > 0, step, 1.0)
-    codes = jnp.where(step > 0, _round_half_even(_div(x - lo, safe, interpret)), 0.0)
+    codes = jnp.where(step > 0, _round_half_even((x - lo) / safe), 0.0)
     return jnp.clip(jnp.where(jnp.isnan(codes), 0.0, codes), 0.0, INT4_LEVELS)  # as reference
 
 
@@ -116,12 +93,12 @@ def _rows_pad(x2, br):
 # ----------------------------------------------------------------------------- fp8
 
 
-def _fp8_kernel(x_ref, codes_ref, scale_ref, *, interpret):
+def _fp8_kernel(x_ref, codes_ref, scale_ref):
     # x_ref: [BR, D] any float; codes_ref: [BR, D] e4m3; scale_ref: [BR] f32
     x = x_ref[...].astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=1)
-    scale = jnp.where(amax > 0, _div(amax, FP8_MAX, interpret), 1.0)
-    codes_ref[...] = _div(x, scale[:, None], interpret).astype(FP8_DTYPE)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    codes_ref[...] = (x / scale[:, None]).astype(FP8_DTYPE)
     scale_ref[...] = scale
 
 
@@ -141,7 +118,7 @@ def encode_fp8(x: jax.Array, *, interpret=None, config: QuantConfig | None = Non
     br = cfg.block_rows if r >= cfg.block_rows else pow2_floor(r)
     x2, r_pad = _rows_pad(x.reshape(r, d), br)
     codes, scale = pl.pallas_call(
-        functools.partial(_fp8_kernel, interpret=interpret),
+        _fp8_kernel,
         grid=(r_pad // br,),
         in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,))],
@@ -155,7 +132,7 @@ def encode_fp8(x: jax.Array, *, interpret=None, config: QuantConfig | None = Non
 # ----------------------------------------------------------------------------- cold keys
 
 
-def _cold_keys_kernel(k_ref, packed_ref, center_ref, radius_ref, *, half, interpret):
+def _cold_keys_kernel(k_ref, packed_ref, center_ref, radius_ref, *, half):
     # k_ref: [page, D] any float (one page); packed_ref: [page, D/2] u8;
     # center_ref: [D] bf16; radius_ref: [D] e4m3
     codes = []
@@ -167,7 +144,7 @@ def _cold_keys_kernel(k_ref, packed_ref, center_ref, radius_ref, *, half, interp
         bad = _any_nan(k, axis=0)  # as the reference: NaN range, codes 0
         c, r = jnp.where(bad, jnp.nan, c), jnp.where(bad, jnp.nan, r)
         lo, step = c - r, r * (2.0 / INT4_LEVELS)
-        codes.append(_quantize(k, lo[None, :], step[None, :], interpret))
+        codes.append(_quantize(k, lo[None, :], step[None, :]))
         center_ref[pl.ds(j * half, half)] = c.astype(jnp.bfloat16)
         radius_ref[pl.ds(j * half, half)] = r.astype(FP8_DTYPE)
     packed_ref[...] = _pack(codes[0], codes[1])
@@ -188,7 +165,7 @@ def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None
         n *= s
     half = d // 2
     packed, center, radius = pl.pallas_call(
-        functools.partial(_cold_keys_kernel, half=half, interpret=interpret),
+        functools.partial(_cold_keys_kernel, half=half),
         grid=(n,),
         in_specs=[pl.BlockSpec((None, page, d), lambda i: (i, 0, 0))],
         out_specs=[pl.BlockSpec((None, page, half), lambda i: (i, 0, 0)),
@@ -207,7 +184,7 @@ def encode_cold_keys(k: jax.Array, *, interpret=None, config: QuantConfig | None
 # ----------------------------------------------------------------------------- cold values
 
 
-def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group, interpret):
+def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group):
     # v_ref: [BR, D] any float; packed_ref: [BR, D/2] u8; scale_ref, zero_ref: [BR, D/group] bf16
     if group <= half:
         # Group j of the low half pairs with group j + D/(2 group) of the high half.
@@ -218,11 +195,10 @@ def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group, 
                 col = part * half + j * group
                 x = v_ref[:, pl.ds(col, group)].astype(jnp.float32)      # [BR, group]
                 bad = _any_nan(x, axis=1)
-                zero = jnp.where(bad, jnp.nan, _round_bf16(jnp.min(x, axis=1), up=False))
-                step = _round_bf16(_div(jnp.max(x, axis=1) - zero, INT4_LEVELS, interpret),
-                                   up=True)
+                zero = jnp.where(bad, jnp.nan, round_bf16(jnp.min(x, axis=1), up=False))
+                step = round_bf16((jnp.max(x, axis=1) - zero) / INT4_LEVELS, up=True)
                 step = jnp.where(bad, jnp.nan, step)
-                codes.append(_quantize(x, zero[:, None], step[:, None], interpret))
+                codes.append(_quantize(x, zero[:, None], step[:, None]))
                 gi = part * ng_half + j
                 scale_ref[:, pl.ds(gi, 1)] = step.astype(jnp.bfloat16)[:, None]
                 zero_ref[:, pl.ds(gi, 1)] = zero.astype(jnp.bfloat16)[:, None]
@@ -231,13 +207,13 @@ def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group, 
         xl = v_ref[:, pl.ds(0, half)].astype(jnp.float32)
         xh = v_ref[:, pl.ds(half, half)].astype(jnp.float32)
         bad = _any_nan(xl, axis=1) | _any_nan(xh, axis=1)
-        zero = _round_bf16(jnp.minimum(jnp.min(xl, axis=1), jnp.min(xh, axis=1)), up=False)
+        zero = round_bf16(jnp.minimum(jnp.min(xl, axis=1), jnp.min(xh, axis=1)), up=False)
         zero = jnp.where(bad, jnp.nan, zero)
         mx = jnp.maximum(jnp.max(xl, axis=1), jnp.max(xh, axis=1))
-        step = jnp.where(bad, jnp.nan, _round_bf16(_div(mx - zero, INT4_LEVELS, interpret),
-                                                   up=True))
-        cl = _quantize(xl, zero[:, None], step[:, None], interpret)
-        ch = _quantize(xh, zero[:, None], step[:, None], interpret)
+        step = jnp.where(bad, jnp.nan, round_bf16((mx - zero) / INT4_LEVELS,
+                                                  up=True))
+        cl = _quantize(xl, zero[:, None], step[:, None])
+        ch = _quantize(xh, zero[:, None], step[:, None])
         packed_ref[...] = _pack(cl, ch)
         scale_ref[...] = step.astype(jnp.bfloat16)[:, None]
         zero_ref[...] = zero.astype(jnp.bfloat16)[:, None]
@@ -266,7 +242,7 @@ def encode_cold_values(v: jax.Array, group: int, *, interpret=None,
     br = cfg.block_rows if r >= cfg.block_rows else pow2_floor(r)
     v2, r_pad = _rows_pad(v.reshape(r, d), br)
     packed, scale, zero = pl.pallas_call(
-        functools.partial(_cold_values_kernel, half=half, group=group, interpret=interpret),
+        functools.partial(_cold_values_kernel, half=half, group=group),
         grid=(r_pad // br,),
         in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((br, half), lambda i: (i, 0)),

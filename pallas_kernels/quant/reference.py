@@ -16,16 +16,35 @@ FP8_MAX = 448.0
 INT4_LEVELS = 15.0
 
 
+def bf16_step(b: jax.Array, up: bool) -> jax.Array:
+    """The next bf16 after b (f32 holding a bf16 value) toward +inf (up) or -inf, as
+    f32: one step of the top 16 bits of its f32 pattern. No nextafter, whose bf16
+    lowering is not the same on every backend; the Triton encoders run this too."""
+    bits = jax.lax.bitcast_convert_type(b, jnp.int32)
+    one = jnp.int32(0x10000)
+    away = jnp.where(b > 0, up, not up)  # moving away from zero grows the magnitude
+    stepped = jnp.where(away, bits + one, bits - one)
+    # From zero: the smallest subnormal bf16 with the direction's sign.
+    tiny = jnp.int32(0x00010000) if up else jnp.int32(-0x7FFF0000)  # 0x80010000
+    stepped = jnp.where(b == 0, tiny, stepped)
+    return jax.lax.bitcast_convert_type(stepped, jnp.float32)
+
+
+def round_bf16(x: jax.Array, up: bool) -> jax.Array:
+    """Smallest bf16 >= x (up) or largest bf16 <= x, as f32 holding it."""
+    x = x.astype(jnp.float32)
+    b = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.where((b < x) if up else (b > x), bf16_step(b, up), b)
+
+
 def round_bf16_down(x: jax.Array) -> jax.Array:
     """Largest bf16 <= x (so a stored lower bound stays a bound)."""
-    b = x.astype(jnp.bfloat16)
-    return jnp.where(b.astype(jnp.float32) > x, jnp.nextafter(b, jnp.bfloat16(-jnp.inf)), b)
+    return round_bf16(x, up=False).astype(jnp.bfloat16)
 
 
 def round_bf16_up(x: jax.Array) -> jax.Array:
     """Smallest bf16 >= x."""
-    b = x.astype(jnp.bfloat16)
-    return jnp.where(b.astype(jnp.float32) < x, jnp.nextafter(b, jnp.bfloat16(jnp.inf)), b)
+    return round_bf16(x, up=True).astype(jnp.bfloat16)
 
 
 def round_fp8_up(x: jax.Array) -> jax.Array:
