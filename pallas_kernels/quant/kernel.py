@@ -2,9 +2,11 @@
 `reference.encode_fp8`, `reference.encode_cold_keys`, `reference.encode_cold_values`.
 
 Bit-exactness needs care with ops whose lowering differs between backends:
-- f32 division is plain `/` on both sides. XLA lowers it to `div.full.f32` on
-  NVIDIA (it sets `-nvptx-prec-divf32=1`), as Triton does `arith.divf`, and to
-  IEEE division on a CPU. The first H200 run (2026-12-04) had the kernels on
+- f32 division by data is plain `/` on both sides. XLA lowers it to
+  `div.full.f32` on NVIDIA (it sets `-nvptx-prec-divf32=1`), as Triton does
+  `arith.divf`, and to IEEE division on a CPU. Division by a constant is a
+  product with its reciprocal on both sides (`reference.INV_FP8_MAX`), which
+  is what XLA makes of `x / c` anyway. The first H200 run (2026-12-04) had the kernels on
   IEEE `div.rn.f32` (inline PTX), and their fp8 scales were one ulp off XLA's
   in 48% of rows.
 - `round` (half to even) has no Triton lowering: written out with floor.
@@ -28,8 +30,9 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels.common import is_pow2, pow2_floor, resolve_interpret
 from pallas_kernels.quant.reference import (
     FP8_DTYPE,
-    FP8_MAX,
     INT4_LEVELS,
+    INV_FP8_MAX,
+    INV_INT4_LEVELS,
     round_bf16,
     round_fp8_up,
 )
@@ -97,7 +100,7 @@ def _fp8_kernel(x_ref, codes_ref, scale_ref):
     # x_ref: [BR, D] any float; codes_ref: [BR, D] e4m3; scale_ref: [BR] f32
     x = x_ref[...].astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = jnp.where(amax > 0, amax * INV_FP8_MAX, 1.0)
     codes_ref[...] = (x / scale[:, None]).astype(FP8_DTYPE)
     scale_ref[...] = scale
 
@@ -196,7 +199,7 @@ def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group):
                 x = v_ref[:, pl.ds(col, group)].astype(jnp.float32)      # [BR, group]
                 bad = _any_nan(x, axis=1)
                 zero = jnp.where(bad, jnp.nan, round_bf16(jnp.min(x, axis=1), up=False))
-                step = round_bf16((jnp.max(x, axis=1) - zero) / INT4_LEVELS, up=True)
+                step = round_bf16((jnp.max(x, axis=1) - zero) * INV_INT4_LEVELS, up=True)
                 step = jnp.where(bad, jnp.nan, step)
                 codes.append(_quantize(x, zero[:, None], step[:, None]))
                 gi = part * ng_half + j
@@ -210,7 +213,7 @@ def _cold_values_kernel(v_ref, packed_ref, scale_ref, zero_ref, *, half, group):
         zero = round_bf16(jnp.minimum(jnp.min(xl, axis=1), jnp.min(xh, axis=1)), up=False)
         zero = jnp.where(bad, jnp.nan, zero)
         mx = jnp.maximum(jnp.max(xl, axis=1), jnp.max(xh, axis=1))
-        step = jnp.where(bad, jnp.nan, round_bf16((mx - zero) / INT4_LEVELS,
+        step = jnp.where(bad, jnp.nan, round_bf16((mx - zero) * INV_INT4_LEVELS,
                                                   up=True))
         cl = _quantize(xl, zero[:, None], step[:, None])
         ch = _quantize(xh, zero[:, None], step[:, None])

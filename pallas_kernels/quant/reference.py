@@ -14,6 +14,11 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 INT4_LEVELS = 15.0
+# Divisions by these constants are written as products with their reciprocals,
+# here and in the kernels: XLA rewrites x / c into x * (1 / c) itself, and Triton
+# does not, so a written division would differ between the two on a GPU.
+INV_FP8_MAX = 1.0 / FP8_MAX
+INV_INT4_LEVELS = 1.0 / INT4_LEVELS
 
 
 def bf16_step(b: jax.Array, up: bool) -> jax.Array:
@@ -87,7 +92,7 @@ def encode_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., D] -> (e4m3 codes [..., D], f32 scale [...]); one scale per row (token, head)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = jnp.where(amax > 0, amax * INV_FP8_MAX, 1.0)
     return (x / scale[..., None]).astype(FP8_DTYPE), scale
 
 
@@ -140,7 +145,7 @@ def encode_cold_values(v: jax.Array, group: int) -> tuple[jax.Array, jax.Array, 
     g = v.reshape(*v.shape[:-1], d // group, group)
     bad = jnp.any(jnp.isnan(g), axis=-1)  # as for keys: a NaN group has NaN scale/zero
     zero = jnp.where(bad, jnp.nan, round_bf16_down(jnp.min(g, axis=-1))).astype(jnp.bfloat16)
-    step = round_bf16_up((jnp.max(g, axis=-1) - zero.astype(jnp.float32)) / INT4_LEVELS)
+    step = round_bf16_up((jnp.max(g, axis=-1) - zero.astype(jnp.float32)) * INV_INT4_LEVELS)
     step = jnp.where(bad, jnp.nan, step).astype(jnp.bfloat16)
     codes = _quantize(g, zero.astype(jnp.float32)[..., None], step.astype(jnp.float32)[..., None])
     return pack_int4(codes.reshape(v.shape)), step, zero
