@@ -2,10 +2,10 @@
 # The wheels the H200 image lacks for benchmarks/gpu_check.py --model-steps (it has
 # jax 0.11.2 + CUDA, flax, numpy, jinja2, tokenizers, safetensors, httpx,
 # prometheus_client, tqdm; no network), at the versions .venv runs, for Python 3.12.
-# Usage: benchmarks/gpu_wheels.sh [DIR]   (default .whl, which git must ignore:
-#   echo /.whl/ >> .git/info/exclude). On the device, first:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   export PYTHONPATH=/tmp/site
+# Usage: benchmarks/gpu_wheels.sh [DIR]   (default .whl, git-ignored). On the device,
+# from the repository root, first:
+#   python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+#   export PYTHONPATH=$PWD/.site
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.whl}
