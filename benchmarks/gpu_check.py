@@ -27,8 +27,8 @@ time limit, its rows appended to the same file):
   bench_generate  `hisparse bench generate --model llama3-8b-shapes` at 32K and
                   128K tokens, HiSparse against dense (issue 14's device step);
   bench_serve     `hisparse serve --model llama3-8b-shapes --max-context 131072
-                  --offload` loaded by `hisparse bench serve` with ~120K-token
-                  prompts, and the server's offload counters (issue 15's).
+                  --offload` loaded by `hisparse bench serve` (16-20K-token prompts
+                  by default), and the server's offload counters (issue 15's).
 --dry-run runs the same steps on smollm2-135m at small sizes.
 """
 
@@ -41,8 +41,6 @@ import math
 import os
 import platform
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -135,11 +133,10 @@ def checks(interpret, dry_run):
     # Which side is off, and in which output: both against the same scores in
     # float64 on the host (the first H200 run had kernel vs reference at 9.4e-4).
     truth = _lookup_f64(*args)
-    yield {"kind": "check", "kernel": "lookup.page_scores_vs_f64",
+    yield {"kind": "diagnostic", "kernel": "lookup.page_scores_vs_f64",
            **{f"{side}_{name}_rel_err": rel_err(x, t)
               for side, out in (("kernel", got), ("reference", ref))
-              for name, x, t in zip(("bound", "center"), out, truth)},
-           "ok": True}  # informational: the row above is the check
+              for name, x, t in zip(("bound", "center"), out, truth)}}
     yield ({"kind": "check", "kernel": "lookup.page_scores", "max_rel_err": err,
                      "ok": bool(err < 1e-4 and all(_same_inf(x, y) for x, y in zip(got, ref)))})
     # sparse decode, with NaN in masked slots and unused pool page 0
@@ -304,18 +301,13 @@ def _run_logged(cmd, log_path, timeout, env=None):
         return p.returncode, p.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def model_steps(dry_run: bool, out_dir: str, emit, deadline: float, **override):
     """Issue 14's and 15's device steps (module docstring); each row names its
     command, and a step that fails or runs out of time says so in its row.
     override: plan entries to replace (`main`'s --steps, --serve-prompt-len, ...)."""
     plan = {**model_step_plan(dry_run), **{k: v for k, v in override.items() if v is not None}}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",  # `python -m hisparse_jax.cli` from anywhere
+           "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
     log = os.path.join(out_dir, "model_steps.log")
     for step, *what in plan["steps"]:
         if step == "serve":
@@ -352,31 +344,20 @@ def serve_step(plan, out_dir, emit, deadline, env, log):
     if left < 60:
         emit({"kind": "bench_serve", "skipped": "time"})
         return
-    port = _free_port()
+    # the server helpers of the CPU side-by-side benchmark (loopback, free port, PID)
+    from serve_side_by_side import free_port, start, stop, wait_up
+    port = free_port()
     serve_cmd = HISPARSE + ["serve", "--model", plan["model"], "--max-context",
                             str(plan["serve_context"]), "--max-seqs", str(plan["serve_seqs"]),
                             "--offload", "--prefill-budget", "4096", "--port", str(port)]
     if plan.get("implementation"):
         serve_cmd += ["--implementation", plan["implementation"]]
     t0 = time.time()
-    with open(os.path.join(out_dir, "serve.log"), "w") as slog:
-        slog.write(f"$ {shlex.join(serve_cmd)}\n")
-        slog.flush()
-        server = subprocess.Popen(serve_cmd, stdout=slog, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=env, start_new_session=True)
+    server = start(serve_cmd, env=env, log=os.path.join(out_dir, "serve.log"))
     base = f"http://127.0.0.1:{port}"
     row = {"kind": "bench_serve", "serve_command": shlex.join(serve_cmd)}
     try:
-        while time.time() < deadline - 30 and server.poll() is None:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            emit({**row, "error": f"server not up (rc {server.poll()}), see serve.log"})
-            return
+        wait_up(base, server, timeout=max(1, deadline - 30 - time.time()))
         row["server_ready_s"] = round(time.time() - t0, 1)
         result = os.path.join(out_dir, "bench_serve.json")
         cmd = HISPARSE + ["bench", "serve", "--base-url", base, "--tokenizer", "none",
@@ -402,18 +383,12 @@ def serve_step(plan, out_dir, emit, deadline, env, log):
                               "hisparse:generation_tokens_total",
                               "hisparse:prompt_tokens_total", "hisparse:request_success"))}
         emit({**row, "rc": rc})
-    except Exception as e:  # noqa: BLE001 -- the row says what broke; the rows before stand
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the row says what broke
         emit({**row, "error": repr(e)[:2000]})
     finally:
-        if server.poll() is None:
-            # the server alone first: a SIGTERM to its group also stops the
-            # compiler processes it may be running, which it then logs as failures
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+        # the server alone (SIGTERM, SIGKILL after 120 s): a signal to its group
+        # would also stop a compile in flight, which it then logs as a failure
+        stop(server)
 
 
 # ----------------------------------------------------------------------------- main
@@ -523,15 +498,16 @@ def main(argv=None):
                                      with_dense="dense_bf16" in impls, **shapes)
             steps = make_steps(dims, interpret)
             outs = {}
+            if {"decode_pallas", "select_xla"} & set(impls):  # their inputs, made once
+                bound, center = lookup_ref.page_scores(
+                    arrays["q"], arrays["digest_center"], arrays["digest_radius"],
+                    arrays["page_table"])
+                ids, logw = select_with_sample(bound, center, arrays["page_table"],
+                                               dims["cold_pages"], dims["sample_pages"])
+                selected = dict(arrays, cold_ids=ids, cold_logw=logw, bound=bound,
+                                center=center)
             for impl in impls:
-                a = arrays
-                if impl in ("decode_pallas", "select_xla"):
-                    bound, center = lookup_ref.page_scores(
-                        arrays["q"], arrays["digest_center"], arrays["digest_radius"],
-                        arrays["page_table"])
-                    ids, logw = select_with_sample(bound, center, arrays["page_table"],
-                                                   dims["cold_pages"], dims["sample_pages"])
-                    a = dict(arrays, cold_ids=ids, cold_logw=logw, bound=bound, center=center)
+                a = selected if impl in ("decode_pallas", "select_xla") else arrays
                 try:
                     out, t = time_fn(steps[impl], a, iters, warmup)
                 except Exception as e:  # noqa: BLE001 -- one failing case must not hide the rest
@@ -548,6 +524,7 @@ def main(argv=None):
                         jnp.max(jnp.abs(out - outs["sparse_xla"])))
                 emit(row)
             del arrays, steps, outs
+            selected = None
     print(f"wrote {len(rows)} rows to {out_path}")
     bad = [r for r in rows if r.get("kind") == "check" and not r["ok"]]
     return 1 if bad else 0
