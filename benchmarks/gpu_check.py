@@ -377,11 +377,17 @@ def serve_step(plan, out_dir, emit, deadline, env, log):
             metrics = r.read().decode()
         with open(os.path.join(out_dir, "metrics.txt"), "w") as f:
             f.write(metrics)
+        # the latency histograms' sums and counts too: with no finished bench
+        # request they still say where the warm-up's time went
         row["server_metrics"] = {
             ln.split()[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
             if ln.startswith(("hisparse:offload", "hisparse:cold_pages_read",
                               "hisparse:generation_tokens_total",
-                              "hisparse:prompt_tokens_total", "hisparse:request_success"))}
+                              "hisparse:prompt_tokens_total", "hisparse:request_success",
+                              "hisparse:time_to_first_token_seconds_",
+                              "hisparse:inter_token_latency_seconds_",
+                              "hisparse:e2e_request_latency_seconds_"))
+            and "_bucket" not in ln}
         emit({**row, "rc": rc})
     except (Exception, SystemExit) as e:  # noqa: BLE001 -- the row says what broke
         emit({**row, "error": repr(e)[:2000]})

@@ -23,6 +23,7 @@ a CPU and on a GPU.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,14 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import layout, pressure, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.attention import attend_cold_slots, pool_pages, remember, select, take_or_none
+from hisparse_jax.attention import (
+    Selection,
+    attend_cold_slots,
+    pool_pages,
+    remember,
+    select,
+    take_or_none,
+)
 from hisparse_jax.cache import HiSparseCache, log
 from hisparse_jax.compat import compute_on
 from hisparse_jax.config import HiSparseConfig
@@ -84,12 +92,6 @@ def _fetch_pages(host, device, pools, heads, pool_ids):
     them alone to the device."""
     heads, pool_ids = jax.device_put(heads, host), jax.device_put(pool_ids, host)
     return {f: jax.device_put(_host_gather(pools[f], heads, pool_ids), device) for f in pools}
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_pages(ws, heads, slots, pages):
-    """Write fetched pages into working-set slots: ws [Hkv, B*W, ...]."""
-    return {f: ws[f].at[heads, slots].set(pages[f], mode="drop") for f in ws}
 
 
 @jax.jit
@@ -147,15 +149,6 @@ def _move_slots(ws, src):
     return {f: one(x) for f, x in ws.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
-def _select_and_plan(cfg, state, q, sched, *, implementation=None):
-    """A step's selection, the scheduler's plan for it and the pool pages the plan
-    fetches [B, Hkv, W] (-1 = none)."""
-    sel = select(cfg, state, q, implementation=implementation)
-    plan = scheduler.plan(sched, sel.pages)
-    return sel, plan, pool_pages(state.page_table, plan.fetch)
-
-
 @jax.jit
 def _plan_sample(resident, sample, held, page_table):
     """The sample buffer's bookkeeping for this step's sampled pages (`_buffer_slots`):
@@ -166,9 +159,71 @@ def _plan_sample(resident, sample, held, page_table):
     return in_ws, in_buffer, held, pool_pages(page_table, copy)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+class Planned(NamedTuple):
+    """The device half of a step's cold-page traffic, planned before any copy
+    (`plan_copies`), over the step's first `width` slots."""
+    sel: Selection          # the step's selection
+    in_ws: jax.Array        # [n, Hkv, S] working-set slot of each sampled page (-1: none)
+    in_buffer: jax.Array    # [n, Hkv, S] its sample-buffer slot (-1: none)
+    copies: jax.Array       # [n, Hkv, 2W + S] pool pages to copy in, -1 = none: the
+                            # prefetch's W, then the selection's W, then the sample's S
+
+
+def plan_copies(cfg: HiSparseConfig, state, q, sched, held, below=None, *, width=None,
+                implementation=None):
+    """Everything a step decides on the device before the host copies pages:
+    the layer-ahead prefetch of `below` [B, Hkv, K'] (the layer below's
+    candidates; None or LRU: none), the selection over slots 0..width-1, the
+    scheduler's plan for it and the sample buffer's bookkeeping, with the
+    scheduler state and `held` committed. Jit-traceable: the serving engine runs it
+    in the same program as the layer's projections. -> (sched, held, Planned)."""
+    b, h, w = sched.resident.shape
+    n = b if width is None else min(width, b)
+    prefetch = jnp.full((n, h, w), -1, jnp.int32)
+    if below is not None and sched.policy.kind != "lru":
+        pp = scheduler.plan_prefetch(sched, below)
+        prefetch = pool_pages(state.page_table, pp.fetch)[:n]
+        # a barrier: fused with the plan's own score update below, the scores
+        # would round differently at different widths (FMA contraction)
+        sched = jax.lax.optimization_barrier(scheduler.apply_prefetch(sched, pp))
+    part_cfg, part = st.first_slots(cfg, state, n)
+    full_sched, full_held = sched, held
+    sched = sched.replace(**{f: getattr(sched, f)[:n] for f in SCHED_SLOT_FIELDS})
+    sel = select(part_cfg, part, q[:n], implementation=implementation)
+    plan = scheduler.plan(sched, sel.pages)
+    fetch = pool_pages(part.page_table, plan.fetch)
+    sched = scheduler.apply(sched, plan)
+    in_ws = in_buffer = sel.sample
+    copy = jnp.zeros((n, h, 0), jnp.int32)
+    held = held[:n]
+    if sel.sample.shape[-1]:  # tail_sample_pages > 0: fill the sample buffer too
+        in_ws, in_buffer, held, copy = _plan_sample(sched.resident, sel.sample, held,
+                                                    part.page_table)
+    sched = sched.replace(**{f: getattr(full_sched, f).at[:n].set(getattr(sched, f))
+                             for f in SCHED_SLOT_FIELDS})
+    return (sched, full_held.at[:n].set(held),
+            Planned(sel, in_ws, in_buffer, jnp.concatenate([prefetch, fetch, copy], -1)))
+
+
+def attend_planned(cfg: HiSparseConfig, state, q, ws, sample_ws, sched, held, planned, *,
+                   implementation=None):
+    """Attention over the resident pages once `planned`'s copies are in (the working
+    set, then the sample buffer): -> (out [B, Hq, D], candidates [B, Hkv, C], kept,
+    last_selected [B, Hkv, max_pages]). Slots past the plan's width: out rows 0,
+    candidates and kept -1, last_selected as it was. Jit-traceable."""
+    b = q.shape[0]
+    n = planned.in_ws.shape[0]
+    part_cfg, part = st.first_slots(cfg, state, n)
+    out, kept, last = _attend_resident(part_cfg, part, q[:n], ws, sample_ws,
+                                       sched.resident[:n], held[:n], planned.sel,
+                                       planned.in_ws, planned.in_buffer, implementation)
+    pad = lambda x, fill: jnp.full((b, *x.shape[1:]), fill, x.dtype).at[:n].set(x)
+    return (pad(out, 0), pad(planned.sel.pages, -1), pad(kept, -1),
+            state.last_selected.at[:n].set(last))
+
+
 def _attend_resident(cfg, state, q, ws, sample_ws, resident, sample_held, sel, in_ws,
-                     in_buffer, *, implementation=None):
+                     in_buffer, implementation):
     """Attention over the resident pages: the working set followed by the sample
     buffer, with their digests (device to device). -> (out, kept, last_selected)."""
     b, h, w = resident.shape
@@ -189,25 +244,19 @@ def _attend_resident(cfg, state, q, ws, sample_ws, resident, sample_held, sel, i
     return out, kept, remember(cfg, state, sel.pages).last_selected
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "width"))
-def _first_slots(cfg, state, sched, held, q, *, width):
-    """`ColdStore.attend`'s inputs for slots 0..width-1 alone (one program: a
-    layer's step would otherwise dispatch dozens of small slices)."""
-    part = st.first_slots(cfg, state, width)[1]
-    sched = sched.replace(**{f: getattr(sched, f)[:width] for f in SCHED_SLOT_FIELDS})
-    return part, sched, held[:width], q[:width]
+_plan_copies = jax.jit(plan_copies, static_argnames=("cfg", "width", "implementation"))
+_attend_planned = jax.jit(attend_planned, static_argnames=("cfg", "implementation"))
 
 
-@jax.jit
-def _put_first_slots(state, part, sched, part_sched, held, part_held, out, pages, kept):
-    """The first slots' results back into the full arrays (`_first_slots`' inverse);
-    the other slots' out rows 0, candidates and kept -1."""
-    b, width = state.seq_lens.shape[0], part.seq_lens.shape[0]
-    pad = lambda x, fill: jnp.full((b, *x.shape[1:]), fill, x.dtype).at[:width].set(x)
-    sched = part_sched.replace(**{f: getattr(sched, f).at[:width].set(getattr(part_sched, f))
-                                  for f in SCHED_SLOT_FIELDS})
-    return (pad(out, 0), pad(pages, -1), pad(kept, -1), st.put_first_slots(state, part),
-            sched, held.at[:width].set(part_held))
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _put_copies(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots, pages):
+    """Copied pages into their slots: the prefetch's, then the selection's (a slot
+    the plan refills after a prefetch ends with the later page), then the sample
+    buffer's. ws [Hkv, B*W, ...], sample_ws [Hkv, B*S, ...]; each slot array names
+    one slot per row of `pages` (out of range: not that buffer's row)."""
+    put = lambda buf, slots: {f: buf[f].at[heads, slots].set(pages[f], mode="drop")
+                              for f in buf}
+    return put(put(ws, prefetch_slots), fetch_slots), put(sample_ws, sample_slots)
 
 
 MIN_COPY_ROWS = 64  # a page is ~1 KiB: padding a copy to 64 rows costs little
@@ -305,41 +354,17 @@ class ColdStore:
         0..width-1 (`state.decode_width`; the others' rows of out are 0, their
         candidates and kept -1, and their working sets stay as they were). The
         working set and sample buffer keep their full size: the first slots'
-        pages sit at the same offsets in them."""
-        if width is None or width >= cfg.max_seqs:
-            return self._attend(cfg, state, q, implementation)
-        full, held = self.sched, self.sample_held
-        part, self.sched, self.sample_held, q = _first_slots(cfg, state, full, held, q,
-                                                             width=width)
-        out, pages, kept, part = self._attend(st.first_slots_config(cfg, width), part, q,
-                                              implementation)
-        out, self.candidates, kept, state, self.sched, self.sample_held = _put_first_slots(
-            state, part, full, self.sched, held, self.sample_held, out, pages, kept)
-        return out, self.candidates, kept, state
-
-    def _attend(self, cfg: HiSparseConfig, state, q, implementation):
-        sel, plan, fetch = _select_and_plan(cfg, state, q, self.sched,
-                                            implementation=implementation)
-        self._copy_in(np.asarray(fetch))
-        self.sched = scheduler.apply(self.sched, plan)
-        sample = sel.sample
-        in_ws = in_buffer = sample
-        if sample.shape[-1]:  # tail_sample_pages > 0: fill the sample buffer first
-            in_ws, in_buffer, self.sample_held, copy = _plan_sample(
-                self.sched.resident, sample, self.sample_held, state.page_table)
-            # A page not in the buffer yet goes to a slot no entry of this step
-            # uses; the uniform draws hold for a page's worth of steps, so most
-            # stay there.
-            n = sample.shape[-1]
-            got = self._fetch(np.asarray(copy), lambda b, j: b * n + j)
-            if got is not None:
-                self.sample_ws = _put_pages(self.sample_ws, *got[:3])
-                self.sample_pages_copied += got[3]
-        out, kept, last = _attend_resident(cfg, state, q, self.ws, self.sample_ws,
-                                           self.sched.resident, self.sample_held, sel, in_ws,
-                                           in_buffer, implementation=implementation)
-        self.candidates = sel.pages  # what the layer above should prefetch
-        return out, sel.pages, kept, state.replace(last_selected=last)
+        pages sit at the same offsets in them. Three steps, as the serving engine
+        runs them inside its own layer programs: plan (`plan_copies`), copy
+        (`copy_in`, the one host sync), attend (`attend_planned`)."""
+        self.sched, self.sample_held, planned = _plan_copies(
+            cfg, state, q, self.sched, self.sample_held, width=width,
+            implementation=implementation)
+        self.copy_in(planned.copies)
+        out, self.candidates, kept, last = _attend_planned(
+            cfg, state, q, self.ws, self.sample_ws, self.sched, self.sample_held, planned,
+            implementation=implementation)
+        return out, self.candidates, kept, state.replace(last_selected=last)
 
     def prefetch(self, state, pages):
         """Layer-ahead prefetch of pages [B, Hkv, K'] (logical, checked by the
@@ -347,39 +372,44 @@ class ColdStore:
         if self.sched.policy.kind == "lru":
             return
         plan = scheduler.plan_prefetch(self.sched, pages)
-        self._copy_in(np.asarray(pool_pages(state.page_table, plan.fetch)))
+        fetch = pool_pages(state.page_table, plan.fetch)
         self.sched = scheduler.apply_prefetch(self.sched, plan)
+        self.copy_in(jnp.concatenate([fetch, jnp.full_like(fetch, -1)], axis=-1))
 
-    def _copy_in(self, fetch_pool):
-        """Host -> working set: exactly the pages the plan fetches ([B, Hkv, W] pool pages)."""
-        got = self._fetch(fetch_pool, lambda b, w: b * self.working_set + w)
-        if got is not None:
-            self.ws = _put_pages(self.ws, *got[:3])
-
-    def _fetch(self, fetch_pool, slot):
-        """Host -> device: the pages named in fetch_pool [B, Hkv, W] (pool pages, -1 =
-        none), `slot(b, w)` naming each entry's buffer slot -> (heads, slots,
-        {field: pages}) for `_put_pages`, and how many pages, or None. The rows are
-        padded to a power of two (a few program shapes, not one per count): pool
-        page 0, put nowhere."""
-        b, h, w = np.nonzero(fetch_pool >= 0)
+    def copy_in(self, copies):
+        """Host -> device: the pages `copies` [n, Hkv, 2W + S] names (pool pages, -1 =
+        none; `Planned.copies`, the first n slots' rows), each into its slot: the
+        first W into the working set (prefetch), the next W too (the selection's
+        misses, after the prefetch), the last S into the sample buffer. One gather
+        on the host, one copy to the device, padded to a power of two rows (a few
+        program shapes, not one per count; padding: pool page 0, put nowhere)."""
+        copies = np.asarray(copies)  # the step's one host sync
+        w, big = self.working_set, np.iinfo(np.int32).max
+        b, h, j = np.nonzero(copies >= 0)
         if not b.size:
-            return None
+            return
         n = _bucket(b.size)
         heads, pool = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        slots = np.full(n, np.iinfo(np.int32).max, np.int32)
-        heads[:b.size], pool[:b.size], slots[:b.size] = h, fetch_pool[b, h, w], slot(b, w)
+        slots = [np.full(n, big, np.int32) for _ in range(3)]
+        heads[:b.size], pool[:b.size] = h, copies[b, h, j]
+        part = np.where(j < w, 0, np.where(j < 2 * w, 1, 2))
+        s = copies.shape[-1] - 2 * w
+        slot = np.where(part < 2, b * w + j % w, b * max(s, 1) + j - 2 * w)
+        for k in range(3):
+            slots[k][:b.size] = np.where(part == k, slot, big)
         pages = _fetch_pages(self._host, self._device, self.host, heads, pool)
+        self.ws, self.sample_ws = _put_copies(self.ws, self.sample_ws, jnp.asarray(heads),
+                                              *map(jnp.asarray, slots), pages)
         nbytes = [int(x.nbytes) for x in pages.values()]
         self.host_to_device_bytes += sum(x * b.size // n for x in nbytes)
         self.host_to_device_bytes_padded += sum(nbytes)
-        return jnp.asarray(heads), jnp.asarray(slots), pages, int(b.size)
+        self.sample_pages_copied += int(np.sum(part == 2))
 
     def compile_copies(self, cfg: HiSparseConfig):
         """Compile the copy programs for every row count a step may ask for (else
         the first steps compile them, seconds each on a CPU)."""
         b, h = cfg.max_seqs, cfg.num_kv_heads
-        most = b * h * max(self.working_set, cfg.sample_pages)
+        most = b * h * (2 * self.working_set + cfg.sample_pages)
         n = _bucket(1)
         while True:
             idx = np.zeros(n, np.int32)
@@ -387,8 +417,7 @@ class ColdStore:
             pages = jax.eval_shape(_fetch_pages, self._host, self._device, self.host, idx, idx)
             pages = {f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._device)
                      for f, x in pages.items()}
-            for buf in (self.ws, self.sample_ws):
-                _put_pages.lower(buf, idx, idx, pages).compile()
+            _put_copies.lower(self.ws, self.sample_ws, idx, idx, idx, idx, pages).compile()
             if n >= most:
                 return
             n *= 2

@@ -134,3 +134,39 @@ def test_offload_with_any_tail_sample_size(tail_sample_pages):
         q = wl.q[i % 2][None]
         np.testing.assert_array_equal(np.asarray(off.attend(q)), np.asarray(ref.attend(q)))
     assert (off.counters()["sample_pages_copied"] > 0) == (tail_sample_pages > 0)
+
+
+def test_copy_in_puts_each_page_in_its_slot():
+    """`ColdStore.copy_in`, the step's one host-to-device copy: a page the plan
+    fetches into a slot the prefetch filled this step ends there (the later copy
+    wins), a sampled page lands in the sample buffer, nothing else is written, and
+    the bytes counted are the pages named."""
+    cfg = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=4096,
+                         max_seqs=2, budget_tokens=256)
+    w = make_workload(context=3000, num_kv_heads=2, gqa_group=2, head_dim=64,
+                      num_queries=1, seed=5)
+    cache = HiSparseCache(cfg)
+    cache.prefill(1, w.k, w.v)
+    store = OffloadedCache(cache).store_
+    host = {f: np.asarray(x) for f, x in store.host.items()}
+    ws_w, s = store.working_set, cfg.sample_pages
+    assert s > 0
+    # four of sequence 1's cold pages (pool ids), each row different
+    a, b, c, d = np.asarray(cache.state.page_table)[1, cfg.sink_pages:][:4]
+    assert len({host["int4_k"][h, p].tobytes() for h in (0, 1) for p in (a, b, c, d)}) == 8
+    copies = np.full((2, 2, 2 * ws_w + s), -1, np.int32)
+    copies[1, 1, 3] = a             # prefetch: page a into slot 3 of (seq 1, head 1)
+    copies[1, 1, ws_w + 3] = b      # the plan refills slot 3 with page b
+    copies[1, 0, ws_w + 5] = c      # the plan: page c into slot 5 of (seq 1, head 0)
+    copies[1, 0, 2 * ws_w + 2] = d  # a sampled page into sample slot 2 of (seq 1, head 0)
+    store.copy_in(copies)
+    for f, x in host.items():
+        want_ws = np.zeros_like(np.asarray(store.ws[f]))
+        want_sample = np.zeros_like(np.asarray(store.sample_ws[f]))
+        want_ws[1, ws_w + 3] = x[1, b]
+        want_ws[0, ws_w + 5] = x[0, c]
+        want_sample[0, s + 2] = x[0, d]
+        np.testing.assert_array_equal(np.asarray(store.ws[f]), want_ws)
+        np.testing.assert_array_equal(np.asarray(store.sample_ws[f]), want_sample)
+    assert store.host_to_device_bytes == 4 * scheduler.page_bytes(cfg)
+    assert store.sample_pages_copied == 1

@@ -49,7 +49,7 @@ from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
-from hisparse_jax.offload import ColdStore
+from hisparse_jax.offload import ColdStore, attend_planned, plan_copies
 from hisparse_jax.prefix import PrefixIndex
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, check_working_set
 
@@ -267,30 +267,41 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     return pad(nxt), pad(logits), caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "first"),
-                   donate_argnames="caches")
-def _offload_qkv(params, caches, x, tokens, lens, active, layer, *, graphdef, hcfg,
-                 implementation, first):
-    """Offload mode, one layer of a decode step up to its attention: q [B, Hq, D],
-    the caches with the tokens' K/V appended, the pages that became cold (pool ids
-    [B], codes: `state.append_layer`'s), and the layer's state (for `ColdStore.attend`).
-    The first layer embeds `tokens` (x is ignored)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "first",
+                                             "width"), donate_argnames="caches")
+def _offload_front(params, caches, x, tokens, lens, active, layer, sched, held, below, *,
+                   graphdef, hcfg, implementation, first, width):
+    """Offload mode, one layer of a decode step up to its copies: the layer's q
+    [B, Hq, D], its K/V appended (the pages that became cold: pool ids [B] and
+    codes, `state.append_layer`'s), then everything the layer decides before the
+    host copies its pages (`offload.plan_copies`: the prefetch of `below`, the
+    selection over the first `width` slots, the plan). The first layer embeds
+    `tokens` (x is ignored). -> (x, q, caches, pool_ids, codes, sched, held, planned)."""
     model = nnx.merge(graphdef, params)
     if first:
         x = model.embed_tokens(tokens)
     q, k, v = model.block(layer).attention_inputs(x, lens, model.rope())
     caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active,
                                               implementation=implementation)
-    return x, q, caches, pool_ids, codes, st.layer_view(hcfg, caches, layer)
+    sched, held, planned = plan_copies(hcfg, st.layer_view(hcfg, caches, layer), q, sched, held,
+                                       below, width=width, implementation=implementation)
+    return x, q, caches, pool_ids, codes, sched, held, planned
 
 
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="caches")
-def _offload_finish(params, caches, x, out, last_selected, layer, *, graphdef):
-    """The rest of the layer after its attention (out [B, Hq, D]); the caches take
-    the layer's remembered selection."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
+                   donate_argnames="caches")
+def _offload_back(params, caches, x, q, layer, ws, sample_ws, sched, held, planned, *,
+                  graphdef, hcfg, implementation):
+    """The rest of the layer once its pages are in: attention over the resident
+    pages (`offload.attend_planned`), the output projection and MLP; the caches
+    remember the layer's candidates. -> (x, caches, candidates [B, Hkv, C]: what
+    the layer above prefetches)."""
     model = nnx.merge(graphdef, params)
-    caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last_selected))
-    return model.block(layer).finish(x, out), caches
+    out, candidates, _, last = attend_planned(hcfg, st.layer_view(hcfg, caches, layer), q, ws,
+                                              sample_ws, sched, held, planned,
+                                              implementation=implementation)
+    caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last))
+    return model.block(layer).finish(x, out), caches, candidates
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -789,29 +800,28 @@ class Engine:
 
     def _decode_offloaded(self, active: np.ndarray, new_cold: bool, width: int):
         """Offload mode's decode step, one layer at a time (the host copies each
-        layer's missing pages between its selection and its attention): layer l's
-        K/V appended, the pages that became cold stored in its host pool, the layer
-        below's candidates prefetched, then `ColdStore.attend` over the first
-        `width` slots (select, copy exactly the missing pages, attend) and the rest
-        of the layer. The same bytes as the all-resident step reads: the same
-        tokens. -> (next tokens [B], logits [B, V])."""
-        c = self.cache_cfg
+        layer's missing pages between its selection and its attention). Per layer
+        two programs and one host sync: `_offload_front` (K/V appended, the layer
+        below's candidates prefetched, selection and plan over the first `width`
+        slots), the pages that became cold stored in the layer's host pool, the
+        planned pages copied in (`ColdStore.copy_in`), `_offload_back` (attention
+        and the rest of the layer). The same bytes as the all-resident step reads:
+        the same tokens. -> (next tokens [B], logits [B, V])."""
         tokens, lens = jnp.asarray(self.tokens), jnp.asarray(self.lens)
         act = jnp.asarray(active)
         x, below = jnp.zeros((), jnp.float32), None  # the first layer embeds the tokens
         for layer, store in enumerate(self.cold):
             idx = jnp.int32(layer)
-            x, q, self.caches, pool_ids, codes, view = _offload_qkv(
-                self.params, self.caches, x, tokens, lens, act, idx, **self._static(),
-                first=layer == 0)
+            x, q, self.caches, pool_ids, codes, store.sched, store.sample_held, planned = (
+                _offload_front(self.params, self.caches, x, tokens, lens, act, idx, store.sched,
+                               store.sample_held, below, **self._static(), first=layer == 0,
+                               width=width))
             if new_cold:
                 store.store(pool_ids, codes)
-            if below is not None:
-                store.prefetch(view, below)
-            out, below, _, view = store.attend(c, view, q, implementation=self.implementation,
-                                               width=width)
-            x, self.caches = _offload_finish(self.params, self.caches, x, out,
-                                             view.last_selected, idx, graphdef=self.graphdef)
+            store.copy_in(planned.copies)
+            x, self.caches, below = _offload_back(
+                self.params, self.caches, x, q, idx, store.ws, store.sample_ws, store.sched,
+                store.sample_held, planned, **self._static())
         return _logits_and_sample(self.params, x, lens, self._samp(range(self.max_seqs)),
                                   graphdef=self.graphdef)
 
