@@ -232,18 +232,36 @@ def prefill_offload(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: j
     returns (state, pool_ids [T/page] int32 (>= pool size where the page is not a
              new cold page), {int4_k, int4_v, int4_v_scale, int4_v_zero}: [T/page, Hkv, page, ...])
     """
-    return _prefill(cfg, state, seq, k, v, length, shared, implementation)
+    state, pool_ids, cold = _prefill(cfg, state, seq, k, v, length, shared, implementation)
+    return state, pool_ids, {f: cold[f] for f in OFFLOAD_FIELDS}
 
 
 def _prefill(cfg, state, seq, k, v, length, shared, implementation):
-    """Fill the empty sequence `seq` with the first `length` tokens of k, v.
+    """Fill the empty sequence `seq` with the first `length` tokens of k, v
+    (`_prefill_rows`). The caller (HiSparseCache) checks the inputs and the pool;
+    this function trusts them. -> (state, pool ids [T/page] (pool size: not a new
+    cold page), the new cold pages' codes and digests {field: [T/page, Hkv, ...]})."""
+    rows, refcount, num_free, pool_ids, cold = _prefill_rows(
+        cfg, state.free_pages, state.num_free, state.refcount, k, v, length, shared,
+        implementation)
+    state = _write_cold(state, pool_ids, cold)
+    return (state.replace(refcount=refcount, num_free=num_free,
+                          **{f: getattr(state, f).at[seq].set(x) for f, x in rows.items()}),
+            pool_ids, cold)
+
+
+def _prefill_rows(cfg, free_pages, num_free, refcount, k, v, length, shared, implementation):
+    """An empty sequence filled with the first `length` tokens of k, v, as values to
+    write: its row of every SLOT_FIELDS array, the pool's refcount and free count
+    after it, and its new cold pages (pool ids [T/page], pool size where none;
+    codes and digests {field: [T/page, Hkv, ...]}).
 
     k, v: [T, Hkv, D] with T a multiple of page_size (padding after `length` is
     ignored, whatever it holds). Every page goes straight to its final tier,
     encoded from the bf16 source. shared [T/page] int32: a pool page already
     holding that logical page (an equal prefix), -1 = none; a shared cold page is
-    referenced, not copied. The caller (HiSparseCache) checks the inputs and the
-    pool; this function trusts them.
+    referenced, not copied. New cold pages pop the free stack (free_pages,
+    num_free).
     """
     pg, s = cfg.page_size, cfg.sink_pages
     t = k.shape[0]
@@ -265,8 +283,6 @@ def _prefill(cfg, state, seq, k, v, length, shared, implementation):
     def gather(x, pos):  # [Hkv, T, D] at positions (invalid -> 0)
         return jnp.where((pos >= 0)[None, :, None], x[:, jnp.clip(pos, 0, t - 1)], 0.0)
 
-    bf16_k = gather(flat_k, bf16_pos).astype(jnp.bfloat16)
-    bf16_v = gather(flat_v, bf16_pos).astype(jnp.bfloat16)
     encode_fp8 = _encoders(implementation, cfg)[0]
     fk, fks = encode_fp8(gather(flat_k, fp8_pos))
     fv, fvs = encode_fp8(gather(flat_v, fp8_pos))
@@ -279,26 +295,19 @@ def _prefill(cfg, state, seq, k, v, length, shared, implementation):
     is_shared = is_cold & (shared >= 0)
     is_new = is_cold & ~is_shared
     rank = jnp.cumsum(is_new) - 1  # rank of page among newly stored cold pages
-    pool_ids = jnp.where(is_new, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)],
-                         cfg.pool_pages)
-    new_cold = _encode_cold(cfg, k_pages, v_pages, implementation)
-    state = _write_cold(state, pool_ids, new_cold)
-    new_cold = {f: new_cold[f] for f in OFFLOAD_FIELDS}
+    pool_ids = jnp.where(is_new, free_pages[jnp.clip(num_free - 1 - rank, 0)], cfg.pool_pages)
     row = jnp.where(is_shared, shared, jnp.where(is_new, pool_ids, -1)).astype(jnp.int32)
-    table_row = jnp.full((cfg.max_pages,), -1, jnp.int32).at[jnp.arange(npg)].set(
-        row, mode="drop")
-    refcount = state.refcount.at[jnp.where(row >= 0, row, cfg.pool_pages)].add(1, mode="drop")
-    state = state.replace(
-        bf16_k=state.bf16_k.at[seq].set(bf16_k), bf16_v=state.bf16_v.at[seq].set(bf16_v),
-        fp8_k=state.fp8_k.at[seq].set(fk), fp8_v=state.fp8_v.at[seq].set(fv),
-        fp8_k_scale=state.fp8_k_scale.at[seq].set(fks),
-        fp8_v_scale=state.fp8_v_scale.at[seq].set(fvs),
-        page_table=state.page_table.at[seq].set(table_row),
-        seq_lens=state.seq_lens.at[seq].set(length), refcount=refcount,
-        last_selected=state.last_selected.at[seq].set(False),
-        poisoned=state.poisoned.at[seq].set(poisoned),
-        num_free=state.num_free - jnp.sum(is_new).astype(jnp.int32))
-    return state, pool_ids.astype(jnp.int32), new_cold
+    rows = {
+        "bf16_k": gather(flat_k, bf16_pos).astype(jnp.bfloat16),
+        "bf16_v": gather(flat_v, bf16_pos).astype(jnp.bfloat16),
+        "fp8_k": fk, "fp8_v": fv, "fp8_k_scale": fks, "fp8_v_scale": fvs,
+        "page_table": jnp.full((cfg.max_pages,), -1, jnp.int32).at[jnp.arange(npg)].set(
+            row, mode="drop"),
+        "seq_lens": length, "last_selected": jnp.zeros((cfg.num_kv_heads, cfg.max_pages), bool),
+        "poisoned": poisoned}
+    refcount = refcount.at[jnp.where(row >= 0, row, cfg.pool_pages)].add(1, mode="drop")
+    return (rows, refcount, num_free - jnp.sum(is_new).astype(jnp.int32),
+            pool_ids.astype(jnp.int32), _encode_cold(cfg, k_pages, v_pages, implementation))
 
 
 # ---------------------------------------------------------------- decode append
@@ -414,19 +423,54 @@ def append_layer(cfg: HiSparseConfig, stacked: CacheState, layer, k, v, active, 
     return stacked, pool_ids, {f: cold[f] for f in OFFLOAD_FIELDS}
 
 
+def prefill_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq, k, v, length,
+                  shared=None, *, implementation=None):
+    """`release` then `prefill_offload` of sequence `seq` on layer `layer` of a
+    layer-stacked state, written in place: the pool only at the prompt's new cold
+    pages, the other arrays only at `seq`'s rows and the layer's free stack and
+    refcounts. (Writing the layer's whole state back copied its pool, and writing
+    a row into a float8 array converted all of it: ~100 ms of a 6-token prompt's
+    prefill on SmolLM2 here.) Runs inside the caller's program (a model's layer
+    loop). -> (stacked, pool_ids [T/page], the new cold codes {OFFLOAD_FIELDS}:
+    [T/page, Hkv, ...]), as `prefill_offload`."""
+    l = layer
+    refcount, free_pages, num_free = _unref_arrays(
+        cfg, stacked.refcount[l], stacked.free_pages[l], stacked.num_free[l],
+        stacked.page_table[l, seq])
+    rows, refcount, num_free, pool_ids, cold = _prefill_rows(
+        cfg, free_pages, num_free, refcount, k, v, length, shared, implementation)
+    # every read of `stacked` above before the writes below (else XLA copies it)
+    (rows, refcount, free_pages, num_free, pool_ids, cold), stacked = (
+        jax.lax.optimization_barrier(((rows, refcount, free_pages, num_free, pool_ids, cold),
+                                      stacked)))
+    stacked = _write_cold(stacked, pool_ids, cold, layer=l)
+    return (stacked.replace(refcount=stacked.refcount.at[l].set(refcount),
+                            free_pages=stacked.free_pages.at[l].set(free_pages),
+                            num_free=stacked.num_free.at[l].set(num_free),
+                            **{f: _put(getattr(stacked, f), (l, seq), x)
+                               for f, x in rows.items()}),
+            pool_ids, {f: cold[f] for f in OFFLOAD_FIELDS})
+
+
 # ---------------------------------------------------------------- release
 
 def _unref(cfg, state, pages):
     """Drop one reference to each pool page in `pages` [n] (-1 = skip; no repeats);
     pages left with none go back on the free stack."""
+    refcount, free_pages, num_free = _unref_arrays(cfg, state.refcount, state.free_pages,
+                                                   state.num_free, pages)
+    return state.replace(refcount=refcount, free_pages=free_pages, num_free=num_free)
+
+
+def _unref_arrays(cfg, refcount, free_pages, num_free, pages):
+    """`_unref` on the three arrays it changes."""
     idx = jnp.where(pages >= 0, pages, cfg.pool_pages)
-    refcount = state.refcount.at[idx].add(-1, mode="drop")
+    refcount = refcount.at[idx].add(-1, mode="drop")
     freed = (pages >= 0) & (refcount[jnp.maximum(pages, 0)] == 0)
     rank = jnp.cumsum(freed) - 1
-    dest = jnp.where(freed, state.num_free + rank, cfg.pool_pages)
-    return state.replace(
-        refcount=refcount, free_pages=state.free_pages.at[dest].set(pages, mode="drop"),
-        num_free=state.num_free + jnp.sum(freed).astype(jnp.int32))
+    dest = jnp.where(freed, num_free + rank, cfg.pool_pages)
+    return (refcount, free_pages.at[dest].set(pages, mode="drop"),
+            num_free + jnp.sum(freed).astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

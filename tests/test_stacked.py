@@ -1,5 +1,6 @@
-"""Layer-stacked states (what a model keeps): `append_layer` updates one layer in
-place and equals `append_token` on that layer's own state, bit for bit."""
+"""Layer-stacked states (what a model keeps): `append_layer` and `prefill_layer`
+update one layer in place and equal `append_token` and `release` + `prefill` on
+that layer's own state, bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,54 @@ def test_append_layer_equals_append_token_and_leaves_other_layers(page, warm):
                             jax.tree.leaves(st.layer_view(cfg, before, other))):
                 assert np.array_equal(_bytes(a), _bytes(b))
     assert int(np.sum(np.asarray(stacked.seq_lens))) > sum(map(sum, lengths))
+
+
+@pytest.mark.parametrize("page,warm", [(16, 384), (16, 0), (32, 64)])
+def test_prefill_layer_equals_release_and_prefill_and_leaves_other_layers(page, warm):
+    """`prefill_layer` (the engine's fill, written in place) against `release` then
+    `prefill_offload` on the layer's own state: every field bit for bit, the same
+    new pool pages and codes, the other layers untouched. Slots that held a longer
+    or a shorter sequence, an empty slot, prompts of odd lengths with NaN padding,
+    and a prompt that shares another sequence's cold pages."""
+    cfg = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=2048,
+                         max_seqs=3, page_size=page, warm_tokens=warm)
+    lengths = [(page * 40 - 2, page * 9 - 1, 0), (page * 30 - 1, 700, 1),
+               (5, page * 50 - 3, page * 12)]
+    layers = _filled(cfg, lengths, seed=page + warm + 1)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *map(st.stored, layers))
+    rng = np.random.default_rng(11)
+    cases = [(0, 1, page * 20 + 3, False), (1, 2, 1, False), (2, 0, page * 45 + 7, True),
+             (0, 2, page * 3 - 1, False), (1, 0, page * 28, True)]
+    for layer, seq, n, share in cases:
+        t = -(-n // page) * page + page  # a padding page past the prompt
+        k, v = (rng.normal(size=(t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+                for _ in range(2))
+        k[n:], v[n:] = np.nan, np.inf  # padding is never read
+        shared = np.full(t // page, -1, np.int32)
+        if share:  # the first cold pages of the sequence in the next slot
+            other = np.asarray(layers[layer].page_table[(seq + 1) % 3])
+            m = min(4, int(np.sum(other >= 0)))
+            shared[cfg.sink_pages:cfg.sink_pages + m] = other[cfg.sink_pages:][:m]
+            assert m > 0
+        args = (jnp.int32(seq), jnp.asarray(k), jnp.asarray(v), jnp.int32(n),
+                jnp.asarray(shared))
+        before = stacked
+        stacked, ids, codes = jax.jit(st.prefill_layer, static_argnums=0)(
+            cfg, stacked, jnp.int32(layer), *args)
+        want, want_ids, want_codes = st.prefill_offload(
+            cfg, st.release(cfg, layers[layer], jnp.int32(seq)), *args)
+        layers[layer] = want
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        for f in codes:
+            np.testing.assert_array_equal(_bytes(codes[f]), _bytes(want_codes[f]), err_msg=f)
+        got = st.layer_view(cfg, stacked, layer)
+        for name, a, b in zip(st.CacheState.__dataclass_fields__, jax.tree.leaves(got),
+                              jax.tree.leaves(want)):
+            np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=name)
+        for other in set(range(LAYERS)) - {layer}:
+            for a, b in zip(jax.tree.leaves(st.layer_view(cfg, stacked, other)),
+                            jax.tree.leaves(st.layer_view(cfg, before, other))):
+                assert np.array_equal(_bytes(a), _bytes(b))
 
 
 def test_layer_loop_appends_in_place():

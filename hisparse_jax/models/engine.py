@@ -133,18 +133,15 @@ def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
             put = lambda c, x: jax.lax.dynamic_update_slice(
                 c, x[:n].transpose(1, 0, 2)[None, None].astype(c.dtype), (layer, slot, 0, 0, 0))
             return out, (put(caches[0], k), put(caches[1], v))
-        if offload:
-            caches, (pool_ids, codes) = caches
-        cache = st.release(hcfg, st.layer_view(hcfg, caches, layer), slot)
         if not offload:
-            cache = st.prefill(hcfg, cache, slot, k, v, length, shared[layer],
-                               implementation=implementation)
-            return out, st.set_layer(caches, layer, cache)
-        cache, ids_l, codes_l = st.prefill_offload(hcfg, cache, slot, k, v, length,
-                                                   shared[layer], implementation=implementation)
+            return out, st.prefill_layer(hcfg, caches, layer, slot, k, v, length, shared[layer],
+                                         implementation=implementation)[0]
+        caches, (pool_ids, codes) = caches
+        caches, ids_l, codes_l = st.prefill_layer(hcfg, caches, layer, slot, k, v, length,
+                                                  shared[layer], implementation=implementation)
         new = (pool_ids.at[layer].set(ids_l),
                {f: codes[f].at[layer].set(codes_l[f]) for f in codes})
-        return out, (st.set_layer(caches, layer, cache), new)
+        return out, (caches, new)
 
     x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend)
     logits = model.logits(x[length - 1][None])
@@ -177,15 +174,16 @@ def _offloaded(hcfg: HiSparseConfig, layers: int):
 def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offload=False):
     """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16), shared
     [L, T / page] as `_prefill`'s (offload: also returns the new cold pages, as
-    `_prefill`'s)."""
-    def one(cache, k, v, shared):
-        cache = st.release(hcfg, st.live(hcfg, cache), slot)
-        if offload:
-            cache, pool_ids, codes = st.prefill_offload(hcfg, cache, slot, k, v, length,
-                                                        shared)
-            return st.stored(cache), pool_ids, codes
-        return st.stored(st.prefill(hcfg, cache, slot, k, v, length, shared))
-    return jax.vmap(one)(caches, k, v, shared)
+    `_prefill`'s). A loop over the layers, each written in place
+    (`state.prefill_layer`)."""
+    def one(caches, xs):
+        layer, k, v, shared = xs
+        caches, pool_ids, codes = st.prefill_layer(hcfg, caches, layer, slot, k, v, length,
+                                                   shared)
+        return caches, (pool_ids, codes)
+    layers = jnp.arange(k.shape[0], dtype=jnp.int32)
+    caches, (pool_ids, codes) = jax.lax.scan(one, caches, (layers, k, v, shared))
+    return (caches, pool_ids, codes) if offload else caches
 
 
 def _chunk_attention(q, ks, vs, start):
