@@ -193,14 +193,11 @@ def _encode_cold(cfg, k_pages, v_pages, implementation):
             "digest_center": center, "digest_radius": radius}
 
 
-def _write_cold(state, pool_ids, codes, layer=None):
+def _write_cold(stacked, pool_ids, codes, layer):
     """Codes [n, Hkv, ...] (`_encode_cold`) into pool pages `pool_ids` [n] (entries
-    >= pool size are dropped), of a state or of layer `layer` of a stacked one."""
-    def put(pool, val):  # pool [Hkv, P, ...] or [L, Hkv, P, ...]
-        if layer is None:
-            return _put(pool, (slice(None), pool_ids), jnp.swapaxes(val, 0, 1))
-        return _put(pool, (layer, slice(None), pool_ids), val)  # indexed as [n, Hkv, ...]
-    return state.replace(**{f: put(getattr(state, f), val) for f, val in codes.items()})
+    >= pool size are dropped) of layer `layer` of a stacked state."""
+    return stacked.replace(**{f: _put(getattr(stacked, f), (layer, slice(None), pool_ids), val)
+                              for f, val in codes.items()})  # indexed as [n, Hkv, ...]
 
 
 def _put(a, idx, val):
@@ -232,22 +229,17 @@ def prefill_offload(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: j
     returns (state, pool_ids [T/page] int32 (>= pool size where the page is not a
              new cold page), {int4_k, int4_v, int4_v_scale, int4_v_zero}: [T/page, Hkv, page, ...])
     """
-    state, pool_ids, cold = _prefill(cfg, state, seq, k, v, length, shared, implementation)
-    return state, pool_ids, {f: cold[f] for f in OFFLOAD_FIELDS}
+    return _prefill(cfg, state, seq, k, v, length, shared, implementation)
 
 
 def _prefill(cfg, state, seq, k, v, length, shared, implementation):
-    """Fill the empty sequence `seq` with the first `length` tokens of k, v
-    (`_prefill_rows`). The caller (HiSparseCache) checks the inputs and the pool;
-    this function trusts them. -> (state, pool ids [T/page] (pool size: not a new
-    cold page), the new cold pages' codes and digests {field: [T/page, Hkv, ...]})."""
-    rows, refcount, num_free, pool_ids, cold = _prefill_rows(
-        cfg, state.free_pages, state.num_free, state.refcount, k, v, length, shared,
-        implementation)
-    state = _write_cold(state, pool_ids, cold)
-    return (state.replace(refcount=refcount, num_free=num_free,
-                          **{f: getattr(state, f).at[seq].set(x) for f, x in rows.items()}),
-            pool_ids, cold)
+    """`prefill_layer` on a single state (the sequence is empty, so the release
+    in it changes nothing). -> (state, pool ids [T/page] (pool size: not a new
+    cold page), the new cold codes {OFFLOAD_FIELDS: [T/page, Hkv, ...]})."""
+    stacked = stored(jax.tree.map(lambda a: a[None], state))
+    stacked, pool_ids, cold = prefill_layer(cfg, stacked, jnp.int32(0), seq, k, v, length,
+                                            shared, implementation=implementation)
+    return live(cfg, jax.tree.map(lambda a: a[0], stacked)), pool_ids, cold
 
 
 def _prefill_rows(cfg, free_pages, num_free, refcount, k, v, length, shared, implementation):
@@ -397,7 +389,7 @@ def append_layer(cfg: HiSparseConfig, stacked: CacheState, layer, k, v, active, 
     # to be read makes XLA copy the array first.
     (cold, warm), stacked = jax.lax.optimization_barrier(((cold, warm), stacked))
 
-    stacked = _write_cold(stacked, pool_ids, cold, layer=l)
+    stacked = _write_cold(stacked, pool_ids, cold, l)
     if w:  # hot page -> warm ring slot of that page; indexed as [B, pg, Hkv, ...]
         at = (l, b[:, None], slice(None),
               jnp.where(leave_hot[:, None], rows(warm_base), w * pg))
@@ -443,7 +435,7 @@ def prefill_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq, k, v, le
     (rows, refcount, free_pages, num_free, pool_ids, cold), stacked = (
         jax.lax.optimization_barrier(((rows, refcount, free_pages, num_free, pool_ids, cold),
                                       stacked)))
-    stacked = _write_cold(stacked, pool_ids, cold, layer=l)
+    stacked = _write_cold(stacked, pool_ids, cold, l)
     return (stacked.replace(refcount=stacked.refcount.at[l].set(refcount),
                             free_pages=stacked.free_pages.at[l].set(free_pages),
                             num_free=stacked.num_free.at[l].set(num_free),
