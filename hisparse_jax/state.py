@@ -582,6 +582,8 @@ def layer_view(cfg: HiSparseConfig, stacked: CacheState, layer) -> CacheState:
 
 
 def set_layer(stacked: CacheState, layer, state: CacheState) -> CacheState:
-    """Write a whole state into layer `layer` (prefill, release: they rewrite most
-    of it anyway)."""
+    """Write a whole state into layer `layer`. It copies the layer's pool: the
+    engine writes in place instead (`append_layer`, `prefill_layer`); this is what
+    they are measured and tested against (`decode_profile.py --state-loop`,
+    `test_layer_loop_appends_in_place`)."""
     return jax.tree.map(lambda a, s: a.at[layer].set(s), stacked, stored(state))
