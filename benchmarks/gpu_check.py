@@ -271,7 +271,7 @@ def model_step_plan(dry_run: bool) -> dict:
         return {"model": "smollm2-135m", "steps": [("generate", "512", "1,2"), ("serve",)],
                 "serve_context": 1024,
                 "serve_seqs": 2, "prompt_len": "600", "output_len": "8", "prompts": 2,
-                "limit_s": 300}
+                "serve_budget": 64, "limit_s": 300}
     # Sized by the first H200 run (2026-12-04): prefill ran at ~3.5K tok/s at 32K and
     # ~1.2K at 128K (so one 128K engine needs ~2 min), and the offloaded server
     # finished one 19K-token request in ~2 min; 100K+ prompts did not fit. Batch 8
@@ -282,7 +282,9 @@ def model_step_plan(dry_run: bool) -> dict:
                       ("generate", "131072", "1", "dense"), ("generate", "32768", "8"),
                       ("generate", "131072", "8", "hisparse")],
             "serve_context": 131072, "serve_seqs": 2, "prompt_len": "16000:20000",
-            "output_len": "32", "prompts": 2, "limit_s": 240}
+            # a 16th of the prompts: serve's default at 128K is 2,048 (its cap), a
+            # 9th of a 19K prompt; the first run copied 65 MB a step with it
+            "serve_budget": 1024, "output_len": "32", "prompts": 2, "limit_s": 240}
 
 
 def _run_logged(cmd, log_path, timeout, env=None):
@@ -352,6 +354,8 @@ def serve_step(plan, out_dir, emit, deadline, env, log):
                             "--offload", "--prefill-budget", "4096", "--port", str(port)]
     if plan.get("implementation"):
         serve_cmd += ["--implementation", plan["implementation"]]
+    if plan.get("serve_budget"):
+        serve_cmd += ["--budget-tokens", str(plan["serve_budget"])]
     t0 = time.time()
     server = start(serve_cmd, env=env, log=os.path.join(out_dir, "serve.log"))
     base = f"http://127.0.0.1:{port}"
