@@ -35,6 +35,19 @@ def _filled(cfg, lengths_per_layer, seed):
     return layers
 
 
+def _check_layer(cfg, stacked, before, layer, want):
+    """Layer `layer` of `stacked` is `want` (every field, bytes); the others are as
+    in `before`."""
+    got = st.layer_view(cfg, stacked, layer)
+    for name, a, b in zip(st.CacheState.__dataclass_fields__, jax.tree.leaves(got),
+                          jax.tree.leaves(want)):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=name)
+    for other in set(range(LAYERS)) - {layer}:
+        for a, b in zip(jax.tree.leaves(st.layer_view(cfg, stacked, other)),
+                        jax.tree.leaves(st.layer_view(cfg, before, other))):
+            assert np.array_equal(_bytes(a), _bytes(b))
+
+
 @pytest.mark.parametrize("page,warm", [(16, 384), (16, 0), (32, 64)])
 def test_append_layer_equals_append_token_and_leaves_other_layers(page, warm):
     cfg = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=2048,
@@ -59,14 +72,7 @@ def test_append_layer_equals_append_token_and_leaves_other_layers(page, warm):
                                                     jnp.asarray(v), jnp.asarray(active))
         layers[layer] = want
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-        got = st.layer_view(cfg, stacked, layer)
-        for name, a, b in zip(st.CacheState.__dataclass_fields__, jax.tree.leaves(got),
-                              jax.tree.leaves(want)):
-            np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=name)
-        for other in set(range(LAYERS)) - {layer}:
-            for a, b in zip(jax.tree.leaves(st.layer_view(cfg, stacked, other)),
-                            jax.tree.leaves(st.layer_view(cfg, before, other))):
-                assert np.array_equal(_bytes(a), _bytes(b))
+        _check_layer(cfg, stacked, before, layer, want)
     assert int(np.sum(np.asarray(stacked.seq_lens))) > sum(map(sum, lengths))
 
 
@@ -123,14 +129,7 @@ def test_prefill_layer_equals_release_and_prefill_and_leaves_other_layers(page, 
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
         for f in codes:
             np.testing.assert_array_equal(_bytes(codes[f]), _bytes(want_codes[f]), err_msg=f)
-        got = st.layer_view(cfg, stacked, layer)
-        for name, a, b in zip(st.CacheState.__dataclass_fields__, jax.tree.leaves(got),
-                              jax.tree.leaves(want)):
-            np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=name)
-        for other in set(range(LAYERS)) - {layer}:
-            for a, b in zip(jax.tree.leaves(st.layer_view(cfg, stacked, other)),
-                            jax.tree.leaves(st.layer_view(cfg, before, other))):
-                assert np.array_equal(_bytes(a), _bytes(b))
+        _check_layer(cfg, stacked, before, layer, want)
 
 
 def test_layer_loop_appends_in_place():
