@@ -233,12 +233,13 @@ def prefill_offload(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: j
 
 
 def _prefill(cfg, state, seq, k, v, length, shared, implementation):
-    """`prefill_layer` on a single state (the sequence is empty, so the release
-    in it changes nothing). -> (state, pool ids [T/page] (pool size: not a new
-    cold page), the new cold codes {OFFLOAD_FIELDS: [T/page, Hkv, ...]})."""
+    """`prefill_layer` on a single state, without the release (the caller
+    releases). -> (state, pool ids [T/page] (pool size: not a new cold page), the
+    new cold codes {OFFLOAD_FIELDS: [T/page, Hkv, ...]})."""
     stacked = stored(jax.tree.map(lambda a: a[None], state))
     stacked, pool_ids, cold = prefill_layer(cfg, stacked, jnp.int32(0), seq, k, v, length,
-                                            shared, implementation=implementation)
+                                            shared, release_first=False,
+                                            implementation=implementation)
     return live(cfg, jax.tree.map(lambda a: a[0], stacked)), pool_ids, cold
 
 
@@ -416,9 +417,10 @@ def append_layer(cfg: HiSparseConfig, stacked: CacheState, layer, k, v, active, 
 
 
 def prefill_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq, k, v, length,
-                  shared=None, *, implementation=None):
-    """`release` then `prefill_offload` of sequence `seq` on layer `layer` of a
-    layer-stacked state, written in place: the pool only at the prompt's new cold
+                  shared=None, *, release_first=True, implementation=None):
+    """`release` (unless `release_first` is False: the slot is empty) then
+    `prefill_offload` of sequence `seq` on layer `layer` of a layer-stacked state,
+    written in place: the pool only at the prompt's new cold
     pages, the other arrays only at `seq`'s rows and the layer's free stack and
     refcounts. (Writing the layer's whole state back copied its pool, and writing
     a row into a float8 array converted all of it: ~100 ms of a 6-token prompt's
@@ -426,9 +428,11 @@ def prefill_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq, k, v, le
     loop). -> (stacked, pool_ids [T/page], the new cold codes {OFFLOAD_FIELDS}:
     [T/page, Hkv, ...]), as `prefill_offload`."""
     l = layer
-    refcount, free_pages, num_free = _unref_arrays(
-        cfg, stacked.refcount[l], stacked.free_pages[l], stacked.num_free[l],
-        stacked.page_table[l, seq])
+    refcount, free_pages, num_free = (stacked.refcount[l], stacked.free_pages[l],
+                                      stacked.num_free[l])
+    if release_first:
+        refcount, free_pages, num_free = _unref_arrays(cfg, refcount, free_pages, num_free,
+                                                       stacked.page_table[l, seq])
     rows, refcount, num_free, pool_ids, cold = _prefill_rows(
         cfg, free_pages, num_free, refcount, k, v, length, shared, implementation)
     # every read of `stacked` above before the writes below (else XLA copies it)
