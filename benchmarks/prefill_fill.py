@@ -28,10 +28,11 @@ from hisparse_jax.models.registry import load
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def whole_layer_fill(hcfg, caches, slot, k, v, length, shared):
     """The fill before `state.prefill_layer`: every layer's state out of the stack,
-    released, prefilled, and back (a vmap over the layers)."""
+    released and prefilled with plain writes (`state.prefill_plain`), and back (a
+    vmap over the layers)."""
     def one(cache, k, v, shared):
-        cache = st.release(hcfg, st.live(hcfg, cache), slot)
-        return st.stored(st.prefill(hcfg, cache, slot, k, v, length, shared))
+        cache = st.prefill_plain(hcfg, st.live(hcfg, cache), slot, k, v, length, shared)[0]
+        return st.stored(cache)
     return jax.vmap(one)(caches, k, v, shared)
 
 

@@ -394,7 +394,7 @@ class ColdStore:
         heads[:b.size], pool[:b.size] = h, copies[b, h, j]
         part = np.where(j < w, 0, np.where(j < 2 * w, 1, 2))
         s = copies.shape[-1] - 2 * w
-        slot = np.where(part < 2, b * w + j % w, b * max(s, 1) + j - 2 * w)
+        slot = np.where(part < 2, b * w + j % w, b * s + j - 2 * w)
         for k in range(3):
             slots[k][:b.size] = np.where(part == k, slot, big)
         pages = _fetch_pages(self._host, self._device, self.host, heads, pool)

@@ -233,8 +233,8 @@ def prefill_offload(cfg: HiSparseConfig, state: CacheState, seq: jax.Array, k: j
 
 
 def _prefill(cfg, state, seq, k, v, length, shared, implementation):
-    """`prefill_layer` on a single state, without the release (the caller
-    releases). -> (state, pool ids [T/page] (pool size: not a new cold page), the
+    """`prefill_layer` on a single state, without its release (the sequence is
+    empty, or its caller loaded the free stack: the bridge). -> (state, pool ids [T/page] (pool size: not a new cold page), the
     new cold codes {OFFLOAD_FIELDS: [T/page, Hkv, ...]})."""
     stacked = stored(jax.tree.map(lambda a: a[None], state))
     stacked, pool_ids, cold = prefill_layer(cfg, stacked, jnp.int32(0), seq, k, v, length,
@@ -422,10 +422,9 @@ def prefill_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq, k, v, le
     `prefill_offload` of sequence `seq` on layer `layer` of a layer-stacked state,
     written in place: the pool only at the prompt's new cold
     pages, the other arrays only at `seq`'s rows and the layer's free stack and
-    refcounts. (Writing the layer's whole state back copied its pool, and writing
-    a row into a float8 array converted all of it: ~100 ms of a 6-token prompt's
-    prefill on SmolLM2 here.) Runs inside the caller's program (a model's layer
-    loop). -> (stacked, pool_ids [T/page], the new cold codes {OFFLOAD_FIELDS}:
+    refcounts (`prefill_plain` rewrites whole arrays: 6-9x the time of this for a
+    short prompt, `benchmarks/prefill_fill.py`). Runs inside the caller's program
+    (a model's layer loop). -> (stacked, pool_ids [T/page], the new cold codes {OFFLOAD_FIELDS}:
     [T/page, Hkv, ...]), as `prefill_offload`."""
     l = layer
     refcount, free_pages, num_free = (stacked.refcount[l], stacked.free_pages[l],
@@ -446,6 +445,22 @@ def prefill_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq, k, v, le
                             **{f: _put(getattr(stacked, f), (l, seq), x)
                                for f, x in rows.items()}),
             pool_ids, {f: cold[f] for f in OFFLOAD_FIELDS})
+
+
+def prefill_plain(cfg: HiSparseConfig, state: CacheState, seq, k, v, length, shared=None):
+    """`release` then `prefill_offload` on a single state, written with plain
+    `.at[...].set`: how the fill was done before `prefill_layer` (whole arrays
+    rewritten, and a row written into a float8 array converts all of it on
+    XLA:CPU). The reference `prefill_layer` is tested (`tests/test_stacked.py`)
+    and measured (`benchmarks/prefill_fill.py`) against."""
+    state = release(cfg, state, seq)
+    rows, refcount, num_free, pool_ids, cold = _prefill_rows(
+        cfg, state.free_pages, state.num_free, state.refcount, k, v, length, shared, None)
+    pool = {f: getattr(state, f).at[:, pool_ids].set(jnp.swapaxes(x, 0, 1), mode="drop")
+            for f, x in cold.items()}
+    state = state.replace(refcount=refcount, num_free=num_free, **pool,
+                          **{f: getattr(state, f).at[seq].set(x) for f, x in rows.items()})
+    return state, pool_ids, {f: cold[f] for f in OFFLOAD_FIELDS}
 
 
 # ---------------------------------------------------------------- release

@@ -76,25 +76,11 @@ def test_append_layer_equals_append_token_and_leaves_other_layers(page, warm):
     assert int(np.sum(np.asarray(stacked.seq_lens))) > sum(map(sum, lengths))
 
 
-def _plain_prefill(cfg, state, seq, k, v, length, shared):
-    """`release`, then the prefill's values (`_prefill_rows`) written with plain
-    `.at[...].set` into the layer's own state: the reference `prefill_layer`'s
-    in-place writes must equal."""
-    state = st.release(cfg, state, seq)
-    rows, refcount, num_free, pool_ids, cold = st._prefill_rows(
-        cfg, state.free_pages, state.num_free, state.refcount, k, v, length, shared, None)
-    pool = {f: getattr(state, f).at[:, pool_ids].set(jnp.swapaxes(x, 0, 1), mode="drop")
-            for f, x in cold.items()}
-    state = state.replace(refcount=refcount, num_free=num_free, **pool,
-                          **{f: getattr(state, f).at[seq].set(x) for f, x in rows.items()})
-    return state, pool_ids, {f: cold[f] for f in st.OFFLOAD_FIELDS}
-
-
 @pytest.mark.parametrize("page,warm", [(16, 384), (16, 0), (32, 64)])
 def test_prefill_layer_equals_release_and_prefill_and_leaves_other_layers(page, warm):
     """`prefill_layer` (the engine's fill, and `state.prefill`'s, written in place)
-    against `release` and the same values written plainly into the layer's own
-    state: every field bit for bit, the same new pool pages and codes, the other
+    against `prefill_plain` (release, and the same values written plainly into the
+    layer's own state): every field bit for bit, the same new pool pages and codes, the other
     layers untouched. Slots that held a longer or a shorter sequence, an empty
     slot, prompts of odd lengths with NaN padding, and a prompt that shares
     another sequence's cold pages."""
@@ -123,7 +109,7 @@ def test_prefill_layer_equals_release_and_prefill_and_leaves_other_layers(page, 
         before = stacked
         stacked, ids, codes = jax.jit(st.prefill_layer, static_argnums=0)(
             cfg, stacked, jnp.int32(layer), *args)
-        want, want_ids, want_codes = jax.jit(_plain_prefill, static_argnums=0)(
+        want, want_ids, want_codes = jax.jit(st.prefill_plain, static_argnums=0)(
             cfg, layers[layer], *args)
         layers[layer] = want
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
