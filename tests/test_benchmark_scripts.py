@@ -38,3 +38,51 @@ def test_selection_gap_timing_row():
     timed = [key for key in row if key.endswith("_ms")]
     assert len(timed) == 4 and all(row[key] > 0 for key in timed)
     assert all(row[f"speedup_rerank_x{m}"] > 0 for m in (1, 1.25, 1.5))
+
+
+def _benchmark_module(name):
+    import importlib
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_weight_quant_products_and_the_block_hook():
+    """`benchmarks/weight_quant.py`: each int8 product is within its quantization
+    error of the exact one (a grouped product that mixed up its groups would not
+    be), and its QuantBlock runs through `Block.product` in a real model."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hisparse_jax.models.llama import Llama
+    from tests.models_fixtures import hf_weights, model_weights, tiny_config
+    wq = _benchmark_module("weight_quant")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    x[:, 7] *= 30  # an outlier channel: one scale per row loses the others' precision
+    w = (rng.standard_normal((256, 96)) / 16).astype(np.float32)
+    scale = np.abs(w).max(0) / 127
+    codes = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    exact = x @ (codes * scale)
+    err = {k: float(np.abs(np.asarray(f(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale)))
+                           - exact).max() / np.abs(exact).max())
+           for k, f in wq.VARIANTS.items()}
+    assert err["w8a16"] < 0.01 and err["w8a8-g64"] < 0.03, err
+    # the outlier costs the row scale its precision, the group scale only in its group
+    assert err["w8a8-g64"] < 0.75 * err["w8a8-row"] < 0.075, err
+
+    cfg = tiny_config()
+    weights = model_weights(cfg, hf_weights(cfg))
+    ids = jnp.asarray([5, 9, 200, 31, 7, 64, 1, 99], jnp.int32)
+    logits = {}
+    for kind in ("bf16", *wq.VARIANTS):
+        model = Llama(cfg, weights) if kind == "bf16" else wq.quantized(Llama(cfg, weights), kind)
+        x, _ = model.layers(model.embed_tokens(ids), jnp.arange(8), None,
+                            lambda c, layer, q, k, v: (q, c))
+        logits[kind] = np.asarray(model.logits(x))
+    assert wq.quantized(Llama(cfg, weights), "w8a16").blocks.wq[...].dtype == jnp.int8
+    for kind in wq.VARIANTS:
+        rel = np.abs(logits[kind] - logits["bf16"]).max() / np.abs(logits["bf16"]).max()
+        assert 0 < rel < 0.1, (kind, rel)

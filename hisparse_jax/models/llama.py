@@ -230,25 +230,30 @@ class Block(nnx.Module):
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
 
         def proj(w, b, heads):
-            y = matmul(h, w[...])
+            y = self.product(h, w)
             if b is not None:
                 y = y + b[...].astype(jnp.float32)
             return y.reshape(*x.shape[:-1], heads, cfg.head_dim)
 
         bias = (self.bq, self.bk, self.bv) if cfg.qkv_bias else (None,) * 3
-        q = apply_rope(proj(self.wq, bias[0], cfg.num_heads), positions, inv_freq, scale)
-        k = apply_rope(proj(self.wk, bias[1], cfg.num_kv_heads), positions, inv_freq, scale)
-        v = proj(self.wv, bias[2], cfg.num_kv_heads)
+        q = apply_rope(proj("wq", bias[0], cfg.num_heads), positions, inv_freq, scale)
+        k = apply_rope(proj("wk", bias[1], cfg.num_kv_heads), positions, inv_freq, scale)
+        v = proj("wv", bias[2], cfg.num_kv_heads)
         return q, k, v
 
     def finish(self, x, out):
         """The rest of the layer after attention (out [..., Hq, D]): output
         projection, residual, MLP."""
         cfg = self.cfg
-        x = x + matmul(out.reshape(*x.shape[:-1], -1), self.wo[...])
+        x = x + self.product(out.reshape(*x.shape[:-1], -1), "wo")
         h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate = jax.nn.silu(matmul(h, self.w_gate[...]))
-        return x + matmul(gate * matmul(h, self.w_up[...]), self.w_down[...])
+        gate = jax.nn.silu(self.product(h, "w_gate"))
+        return x + self.product(gate * self.product(h, "w_up"), "w_down")
+
+    def product(self, x, name: str) -> jax.Array:
+        """x @ the weight matrix `name`: every product of the layer goes through
+        here (`benchmarks/weight_quant.py` swaps in quantized ones)."""
+        return matmul(x, getattr(self, name)[...])
 
 
 class Llama(nnx.Module):
