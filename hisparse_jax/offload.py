@@ -398,8 +398,8 @@ class ColdStore:
         for k in range(3):
             slots[k][:b.size] = np.where(part == k, slot, big)
         pages = _fetch_pages(self._host, self._device, self.host, heads, pool)
-        self.ws, self.sample_ws = _put_copies(self.ws, self.sample_ws, jnp.asarray(heads),
-                                              *map(jnp.asarray, slots), pages)
+        # numpy in: the jitted call transfers it (an eager jnp.asarray each is ~80 us)
+        self.ws, self.sample_ws = _put_copies(self.ws, self.sample_ws, heads, *slots, pages)
         nbytes = [int(x.nbytes) for x in pages.values()]
         self.host_to_device_bytes += sum(x * b.size // n for x in nbytes)
         self.host_to_device_bytes_padded += sum(nbytes)

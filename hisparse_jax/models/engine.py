@@ -809,7 +809,7 @@ class Engine:
         act = jnp.asarray(active)
         x, below = jnp.zeros((), jnp.float32), None  # the first layer embeds the tokens
         for layer, store in enumerate(self.cold):
-            idx = jnp.int32(layer)
+            idx = np.int32(layer)  # not jnp: an eager op a layer, ~80 us each
             x, q, self.caches, pool_ids, codes, store.sched, store.sample_held, planned = (
                 _offload_front(self.params, self.caches, x, tokens, lens, act, idx, store.sched,
                                store.sample_held, below, **self._static(), first=layer == 0,
