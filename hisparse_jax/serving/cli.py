@@ -123,6 +123,9 @@ def serve(cfg):
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
+    # JAX's INFO lines (e.g. "Unable to initialize backend 'tpu'" on every CPU or GPU
+    # machine) read as errors in a server log
+    logging.getLogger("jax").setLevel(logging.WARNING)
     st = build_state(cfg)
 
     class Server(uvicorn.Server):
