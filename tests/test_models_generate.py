@@ -3,7 +3,9 @@ SmolLM2-135M-Instruct (through `registry.load`, i.e. fetch)."""
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -119,7 +121,6 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
 def test_bench_generate_rows(model, monkeypatch, capsys):
     """`hisparse bench generate --json`: a HiSparse row per --rerank-multiple value
     and a dense row, each with its command; two prefill blocks (600 > 512 tokens)."""
-    import json
     monkeypatch.setattr(registry, "load", lambda name, **kw: model)
     argv = ["bench", "generate", "--context", "600", "--batch", "2", "--engines",
             "hisparse,dense", "--rerank-multiple", "1,2", "--decode", "2", "--json",
@@ -207,3 +208,36 @@ def test_demo_answers_side_by_side(model, capsys):
     assert rows["hisparse"]["cache_bytes"] < rows["dense"]["cache_bytes"]
     text = capsys.readouterr().out
     assert "the pass key is 31337" in text and "fewer bytes than dense" in text
+
+
+def test_bench_generate_survives_a_llamacpp_that_crashes(model, monkeypatch, capsys):
+    """llama.cpp runs in a child process: one that dies of a signal (as a default
+    -march=native build does on AMX CPUs) costs its own row, with a line that names
+    the signal, and the other engines' rows still come."""
+    from hisparse_jax.models import bench
+    monkeypatch.setattr(registry, "load", lambda name, **kw: model)
+    monkeypatch.setattr(bench, "llamacpp_available", lambda: True)
+    crash = "import os, signal, sys; sys.stdin.read(); os.kill(os.getpid(), signal.SIGSEGV)"
+    monkeypatch.setattr(bench, "measure_llamacpp", lambda gguf, ids, decode, threads: (
+        bench.child_row([sys.executable, "-c", crash], json.dumps({"ids": ids.tolist()}), 60)))
+    main(["bench", "generate", "--context", "128", "--batch", "1", "--engines",
+          "llamacpp,dense", "--decode", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["engine"] for line in out.splitlines()] == ["dense"]
+    assert "llama.cpp failed at context 128: its process died of SIGSEGV" in err
+
+
+@pytest.mark.parametrize("code, want", [
+    ("import sys; print('noise'); print('{\"a\": 1}')", {"a": 1}),
+    ("import sys; sys.exit('llama_cpp: model file is truncated')",
+     "llama_cpp: model file is truncated"),
+    ("pass", "exit status 0, no row"),
+    ("import time; time.sleep(30)", "no result within 1 s"),
+])
+def test_child_row(code, want):
+    from hisparse_jax.models.bench import child_row
+    if isinstance(want, dict):
+        assert child_row([sys.executable, "-c", code], "", 60) == want
+    else:
+        with pytest.raises(RuntimeError, match=want):
+            child_row([sys.executable, "-c", code], "", 60 if "sleep" not in code else 1)

@@ -14,12 +14,19 @@ counts the generated tokens of all slots.
 
 llama.cpp (`llama-cpp-python`, the `llamacpp` extra) runs one sequence with
 `threads` threads: its rows have batch 1, and their decode_tok_s is what 8
-sequences one after another would total too.
+sequences one after another would total too. It runs in a child process, so a
+llama.cpp build that crashes (a default `-march=native` build dies on AMX CPUs:
+build it as `benchmarks/capture_llamacpp.py` says) costs its own row, logged,
+and not the run.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -92,10 +99,50 @@ def llamacpp_available() -> bool:
     return True
 
 
+LLAMACPP_TIMEOUT_S = 3600
+
+
 def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
+    """llama.cpp's row, measured in a child process (`_measure_llamacpp`).
+    RuntimeError names what went wrong: the signal it died of, its error, or the
+    time limit."""
+    job = json.dumps({"gguf": gguf, "ids": [int(i) for i in ids], "decode": decode,
+                      "threads": threads})
+    code = "from hisparse_jax.models.bench import llamacpp_child; llamacpp_child()"
+    return child_row([sys.executable, "-c", code], job, LLAMACPP_TIMEOUT_S)
+
+
+def child_row(cmd: list[str], job: str, timeout_s: float) -> dict:
+    """Run `cmd` with `job` on stdin; its last stdout line is the row (JSON)."""
     # llama.cpp's OpenMP threads spin between tokens by default, which on 2 shared
     # cores slows everything else (and llama.cpp itself) by 2-3x.
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    env = {"OMP_WAIT_POLICY": "passive", **os.environ}
+    try:
+        proc = subprocess.run(cmd, input=job, capture_output=True, text=True, env=env,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"no result within {timeout_s:.0f} s") from None
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        raise RuntimeError(f"its process died of {name}")
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        err = proc.stderr.strip().splitlines()
+        raise RuntimeError(err[-1] if err else f"exit status {proc.returncode}, no row")
+    return json.loads(lines[-1])
+
+
+def llamacpp_child():
+    """The child's side of `measure_llamacpp`: the job on stdin, the row on stdout."""
+    job = json.load(sys.stdin)
+    print(json.dumps(_measure_llamacpp(job["gguf"], job["ids"], job["decode"],
+                                       job["threads"])), flush=True)
+
+
+def _measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
     import llama_cpp
     context = len(ids)
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=context + decode + 8, n_batch=512,
@@ -150,7 +197,12 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
                 if engine == "llamacpp":
                     if batch != min(batches):
                         continue
-                    rows = [measure_llamacpp(str(src.path), ids, decode, threads)]
+                    try:
+                        rows = [measure_llamacpp(str(src.path), ids, decode, threads)]
+                    except RuntimeError as e:
+                        log(f"llama.cpp failed at context {context}: {e} (a build that "
+                            "works on AMX CPUs: benchmarks/capture_llamacpp.py)")
+                        rows = []
                 elif engine == "hisparse":
                     rows = [measure(model, ids, engine, batch, decode, budget, m,
                                     implementation) for m in rerank_multiples]
