@@ -5,7 +5,8 @@ step with parts of the attention taken out, timed interleaved in one process.
 
 Variants (each one jitted program over all layers, caches donated, as the engine's):
 - `weights`: the layers' matmuls, norms, RoPE and the LM head; attention returns q
-  and touches no cache: what any engine pays;
+  plus k and v (so that none of their products is dropped) and touches no cache:
+  what any engine pays;
 - `dense`: + exact attention over a bf16 cache (the engine's dense path);
 - `hisparse`: + `append_token` and `attention.decode_step` (the engine's path);
 - `append_only`: + `append_token`, attention returns q;
@@ -43,8 +44,8 @@ def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant):
     model = nnx.merge(graphdef, params)
 
     def attend(caches, layer, q, k, v):
-        if variant == "weights":
-            return q, caches
+        if variant == "weights":  # k and v used, else XLA drops their products
+            return q + jnp.repeat(k + v, q.shape[-2] // k.shape[-2], axis=-2), caches
         if variant == "dense":  # the engine's
             return eng.dense_decode_layer(caches, layer, q, k, v, lens, active)
         if variant == "hisparse":  # the engine's
