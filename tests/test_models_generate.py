@@ -232,6 +232,7 @@ def test_bench_generate_survives_a_llamacpp_that_crashes(model, monkeypatch, cap
     ("import sys; sys.exit('llama_cpp: model file is truncated')",
      "llama_cpp: model file is truncated"),
     ("pass", "exit status 0, no row"),
+    ("print('loading... done')", "its last line is not a row: 'loading... done'"),
     ("import time; time.sleep(30)", "no result within 1 s"),
 ])
 def test_child_row(code, want):

@@ -132,7 +132,10 @@ def child_row(cmd: list[str], job: str, timeout_s: float) -> dict:
     if proc.returncode or not lines:
         err = proc.stderr.strip().splitlines()
         raise RuntimeError(err[-1] if err else f"exit status {proc.returncode}, no row")
-    return json.loads(lines[-1])
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError:
+        raise RuntimeError(f"its last line is not a row: {lines[-1][:200]!r}") from None
 
 
 def llamacpp_child():
