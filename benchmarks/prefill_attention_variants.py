@@ -6,6 +6,12 @@ with float32 accumulation, and other block sizes.
 docs/serving.md quotes its output.
 
     .venv/bin/python benchmarks/prefill_attention_variants.py   # 7,680 tokens, SmolLM2's heads
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/prefill_attention_variants.py --model-kl 4096
+
+`--model-kl N`: what bf16 dot inputs would cost in quality instead: SmolLM2 on
+the first N tokens of each next-token document (`model_quality.DOCS`), the
+logits of positions N/2..N-1 with the bf16 variant as the model's prefill
+attention against the float32 one (top-1 agreement, mean and max KL).
 """
 import argparse
 import functools
@@ -81,11 +87,38 @@ def variant(q, k, v, *, chunk=512, mask_all=True, dot_dtype=jnp.float32):
     return jax.lax.map(lambda a: one(*a), (jnp.arange(n), qb)).reshape(t, hq, d)
 
 
+def model_kl(tokens: int):
+    """`--model-kl`: bf16 dot inputs against float32 through the whole model."""
+    from model_quality import DOCS, _open_doc, exact_logprobs
+
+    from hisparse_jax import attention as att
+    from hisparse_jax.models.registry import load
+    model, tok = load("smollm2-135m")
+    bf16 = functools.partial(variant, mask_all=False, dot_dtype=jnp.bfloat16)
+    exact = att.causal_prefill_attention
+    for name, path, _ in DOCS:
+        with _open_doc(path) as f:
+            ids = np.asarray(tok.encode(f.read())[:tokens], np.int32)
+        ref = exact_logprobs(model, ids, tokens // 2)
+        att.causal_prefill_attention = lambda q, k, v, chunk: bf16(q, k, v, chunk=chunk)
+        try:
+            got = exact_logprobs(model, ids, tokens // 2)
+        finally:
+            att.causal_prefill_attention = exact
+        kl = (np.exp(ref) * (ref - got)).sum(-1)
+        print(f"{name:13s} positions {len(kl)}  top-1 {(ref.argmax(-1) == got.argmax(-1)).mean():.4f}"
+              f"  mean KL {kl.mean():.2e}  max KL {kl.max():.2e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=7680, help="prompt length (a multiple of 512)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model-kl", type=int, default=None, metavar="N",
+                    help="bf16 dots' quality cost through SmolLM2 on N-token documents")
     args = ap.parse_args()
+    if args.model_kl:
+        return model_kl(args.model_kl)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((args.tokens, 9, 64)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((args.tokens, 3, 64)), jnp.bfloat16)

@@ -44,13 +44,14 @@ def _pad_rows(x):
     return (jnp.concatenate([x2, x2]) if n == 1 else x2), n
 
 
-def _quantize_rows(x, group: int):
-    """int8 codes of x [n, in] and their scales [n, in/group] (absmax per group)."""
-    xg = x.astype(jnp.float32).reshape(x.shape[0], -1, group)
-    scale = jnp.max(jnp.abs(xg), axis=-1) / 127
+def absmax_int8(x, axis: int):
+    """Symmetric int8 codes of x, one float32 scale per slice along `axis` (its
+    largest |value| maps to 127) -> (codes, scale with `axis` dropped)."""
+    x = jnp.asarray(x, jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127
     scale = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round(xg / scale[..., None]), -127, 127).astype(jnp.int8)
-    return codes, scale
+    codes = jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8)
+    return codes, jnp.squeeze(scale, axis)
 
 
 def w8a16(x, codes, scale):
@@ -64,7 +65,7 @@ def w8a8(group: int | None):
     def product(x, codes, scale):
         x2, n = _pad_rows(x)
         g = group or x2.shape[-1]
-        xq, xs = _quantize_rows(x2, g)                                  # [n, G, g], [n, G]
+        xq, xs = absmax_int8(x2.reshape(x2.shape[0], -1, g), -1)       # [n, G, g], [n, G]
         wq = codes.reshape(-1, g, codes.shape[-1])                      # [G, g, out]
         y = jax.lax.dot_general(xq, wq, (((2,), (1,)), ((1,), (0,))),
                                 preferred_element_type=jnp.int32)      # [G, n, out]
@@ -84,10 +85,7 @@ class QuantBlock(llama.Block):
         super().__init__(cfg, layers)
         self.kind = kind
         for name in MATRICES:
-            w = jnp.asarray(layers[name], jnp.float32)
-            scale = jnp.max(jnp.abs(w), axis=-2) / 127
-            scale = jnp.where(scale > 0, scale, 1.0)
-            codes = jnp.clip(jnp.round(w / scale[..., None, :]), -127, 127).astype(jnp.int8)
+            codes, scale = absmax_int8(layers[name], -2)  # a scale per output channel
             setattr(self, name, nnx.Param(codes))
             setattr(self, name + "_scale", nnx.Param(scale))
 
