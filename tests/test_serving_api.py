@@ -123,6 +123,10 @@ def test_chat_streaming_equals_non_streaming(client, tok):
         stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
+    # no chunk before the first token (a client that times the first chunk, as vLLM
+    # 0.32's `bench serve` does, would take it for the first token); it carries the role
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
         r.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens

@@ -556,10 +556,11 @@ def build_app(st: State) -> FastAPI:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
+        # The role rides on the first delta that carries a token (or on the last), not
+        # on a chunk of its own sent before the prefill: clients that time the first
+        # chunk (vLLM 0.32's `bench serve`) would take it for the first token.
+        role = {"role": "assistant"} if chat else {}
         try:
-            if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
             while True:
                 ev = await events.get()
                 if isinstance(ev, Finish):
@@ -567,7 +568,7 @@ def build_app(st: State) -> FastAPI:
                 if not ev.text and ev.id is not None and req.logprobs is None:
                     continue  # nothing to show yet (an EOS, text held back)
                 if chat:
-                    c = {"index": 0, "delta": {"content": ev.text}, "finish_reason": None,
+                    c = {"index": 0, "delta": {**role, "content": ev.text}, "finish_reason": None,
                          "logprobs": _chat_logprobs(ms, [ev]) if req.logprobs is not None
                          else None}
                 else:
@@ -575,9 +576,10 @@ def build_app(st: State) -> FastAPI:
                          "logprobs": _logprobs(ms, [ev]) if req.logprobs is not None
                          else None}
                 yield chunk([c])
+                role = {}
             done = True
             last = {"index": 0, "finish_reason": _reason(ev), "logprobs": None}
-            last.update({"delta": {}} if chat else {"text": ""})
+            last.update({"delta": role} if chat else {"text": ""})
             if ev.reason == "error":
                 err = {"message": ev.message, "type": "server_error", "param": None,
                        "code": None}
