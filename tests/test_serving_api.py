@@ -167,6 +167,13 @@ def test_seeds_reproduce(client):
     ({"prompt": [99999999]}, 400, "prompt"),
     ({"prompt": FRANCE, "seed": -1}, 400, "seed"),
     ({"prompt": FRANCE, "model": "gpt-4"}, 404, "model"),
+    # not implemented: refused, never answered as if not set
+    ({"prompt": FRANCE, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": FRANCE, "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ({"prompt": FRANCE, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": FRANCE, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": FRANCE, "best_of": 2}, 400, "best_of"),
+    ({"prompt": FRANCE, "suffix": "!"}, 400, "suffix"),
 ])
 def test_bad_requests_get_4xx_and_the_server_goes_on(server, body, status, param):
     r = _post(server, "/v1/completions", body)
@@ -175,6 +182,25 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, body, status, param
     assert err["message"] and err["type"] and err["param"] == param
     assert _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 1}).status_code \
         == 200
+
+
+def test_neutral_values_of_parameters_not_implemented_are_accepted(server):
+    """What clients send by default (the penalties at 0, vLLM's bench's
+    repetition_penalty 1, an empty logit_bias, no tools, a text response format) is
+    served; any other value is a 400 naming the parameter (table above)."""
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+               "logit_bias": {}, "max_tokens": 2}
+    r = _post(server, "/v1/completions", {"prompt": FRANCE, "best_of": 1, "suffix": "",
+                                          **neutral})
+    assert r.status_code == 200, r.text
+    chat = {"messages": [{"role": "user", "content": "Hi"}], **neutral}
+    r = _post(server, "/v1/chat/completions",
+              {**chat, "tools": [], "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    for extra, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")):
+        r = _post(server, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_api_key_and_chat_errors(server):

@@ -22,7 +22,7 @@ import random
 import subprocess
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -152,6 +152,19 @@ class _Common(_Schema):
     context_id: str | None = None     # ours: a prewarmed document goes before the prompt
     user: str | None = None
     fault_nan_kv_after: int | None = None  # tests only (--fault-injection): NaN K/V after N tokens
+    # Not implemented (NOT_IMPLEMENTED): declared so that a request setting one is refused.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None    # vLLM's extension
+    logit_bias: Any = None
+
+
+# Parameters that would change the answer and that the engine does not implement,
+# with the values that change nothing: a request that sets another value gets a 400
+# naming the parameter, instead of an answer made as if it had not been set.
+NOT_IMPLEMENTED = {"presence_penalty": (0,), "frequency_penalty": (0,),
+                   "repetition_penalty": (1,), "logit_bias": ({},), "best_of": (1,),
+                   "suffix": ("",), "tools": ([],), "response_format": ({"type": "text"},)}
 
 
 class CompletionRequest(_Common):
@@ -159,6 +172,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
 
 class PrewarmRequest(_Schema):
@@ -183,6 +198,8 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    response_format: Any = None
 
 
 # ---------------------------------------------------------------- lineage
@@ -444,6 +461,11 @@ def build_app(st: State) -> FastAPI:
                      logprobs):
         if r.n != 1:
             raise APIError(400, f"n={r.n}: only n=1 is supported", param="n")
+        for name, fine in NOT_IMPLEMENTED.items():
+            value = getattr(r, name, None)
+            if value is not None and value not in fine:
+                raise APIError(400, f"{name}={value!r}: not supported by this server "
+                               f"(only {' or '.join(map(repr, fine))})", param=name)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         if r.context_id is not None:
