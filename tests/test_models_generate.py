@@ -102,6 +102,13 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
               "--attention", "dense"])
     out, err = capsys.readouterr()
     assert "Paris" in out
+    # the penalties reach the sampler: a story told greedily, then penalized
+    story = ["generate", "--prompt", "Once upon a time", "--max-tokens", "32", "--attention",
+             "dense"]
+    main(story)
+    plain = capsys.readouterr().out
+    main([*story, "--frequency-penalty", "1.5", "--presence-penalty", "0.5"])
+    assert capsys.readouterr().out != plain
     assert "dense attention" in err.splitlines()[-1] and "tok/s" in err
     main(["fetch", "smollm2-135m"])
     assert capsys.readouterr().out.strip() == str(registry.model_path("smollm2-135m"))

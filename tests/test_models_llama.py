@@ -15,7 +15,13 @@ from models_fixtures import bf16, hf_weights, model_weights, reference_logits, t
 from hisparse_jax.models import engine as eng
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import Llama, RopeScaling, apply_rope, rms_norm, rope_frequencies
-from hisparse_jax.models.sampling import SamplingParams, sample
+from hisparse_jax.models.sampling import (
+    GREEDY,
+    SamplingParams,
+    SlotSampling,
+    sample,
+    sample_slots,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31])
@@ -293,6 +299,101 @@ def test_sampling():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature=-1"):
         SamplingParams(temperature=-1)
+
+
+def _adjusted(logits, counts, presence=0.0, frequency=0.0, bias=None, temperature=0.0, n=1):
+    """sample_slots on n copies of one row: logits and counts [V], bias {id: b}."""
+    v = len(logits)
+    row = np.zeros(v, np.float32)
+    for i, b in (bias or {}).items():
+        row[i] = b
+    tile = lambda x: jnp.tile(jnp.asarray(x, jnp.float32)[None], (n, 1))
+    s = SlotSampling(jnp.full(n, temperature), jnp.zeros(n, jnp.int32), jnp.ones(n),
+                     jnp.zeros(n, jnp.uint32), jnp.full(n, presence), jnp.full(n, frequency),
+                     tile(row), tile(counts))
+    return np.asarray(jax.jit(sample_slots)(tile(logits), jnp.arange(n), s))
+
+
+@pytest.mark.parametrize("counts, kw, want", [
+    ([0, 0, 0, 0], {}, 0),
+    ([0, 0, 0, 0], {"bias": {3: 3.0}}, 3),                 # 0 + 3 > 2
+    ([0, 0, 0, 0], {"bias": {0: -100.0}}, 1),              # banned
+    ([1, 0, 0, 0], {"presence": 1.5}, 1),                  # 2 - 1.5 < 1
+    ([5, 0, 0, 0], {"presence": 0.9}, 0),                  # once, however often: 1.1 > 1
+    ([3, 0, 0, 0], {"frequency": 0.4}, 1),                 # 2 - 1.2 < 1
+    ([3, 0, 0, 0], {"frequency": 0.3}, 0),                 # 2 - 0.9 > 1
+    ([1, 2, 0, 0], {"presence": 0.5, "frequency": 0.3}, 0),  # 2 - 0.8 = 1.2 > 1 - 1.1
+    ([0, 0, 1, 0], {"presence": -2.0}, 2),                 # a negative penalty favours: 2.5
+    ([0, 0, 1, 0], {"presence": -1.0}, 0),                 # 1.5 < 2
+    ([0, 0, 0, 7], {"frequency": -0.3, "bias": {0: -0.2}}, 3),  # 2.1 > 1.8
+])
+def test_logit_bias_and_penalties(counts, kw, want):
+    """OpenAI's formula, greedy: logit + bias - presence [count > 0] - frequency count."""
+    logits = [2.0, 1.0, 0.5, 0.0]
+    assert _adjusted(logits, counts, **kw)[0] == want
+
+
+def test_logit_bias_rules_sampled_draws_and_params_validate():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    assert set(_adjusted(logits, [0] * 4, bias={2: 100.0}, temperature=1.0, n=200)) == {2}
+    assert 0 not in set(_adjusted(logits, [0] * 4, bias={0: -100.0}, temperature=1.0, n=400))
+    assert SamplingParams(logit_bias={7: 1, 3: -2.5}).logit_bias == ((3, -2.5), (7, 1.0))
+    assert SamplingParams(logit_bias={7: 1}) == SamplingParams(logit_bias=((7, 1.0),))
+    for kw, match in (({"presence_penalty": 2.5}, "presence_penalty=2.5"),
+                      ({"frequency_penalty": float("nan")}, "frequency_penalty=nan"),
+                      ({"logit_bias": {1: 101}}, "logit_bias"),
+                      ({"logit_bias": {-1: 1}}, "logit_bias"),
+                      ({"logit_bias": {"5": 1}}, "logit_bias")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+
+
+def test_penalties_count_each_slots_generated_tokens():
+    """Each greedy token of a penalized slot is the argmax of its step's raw logits
+    after its logit bias and its penalties over the tokens it has generated (the
+    first, from the prefill, included); the neighbour slot decodes as alone; the
+    slot's next sequence starts with no bias or counts left; a logit bias past the
+    vocabulary fails before the slot changes."""
+    tiny = _model(tiny_config(tie_embeddings=False))[0]  # tied, it repeats its input by ~100
+    v, prompt = tiny.cfg.vocab_size, [5, 9, 9, 3, 7]
+    plain = Engine(tiny, max_seqs=1, max_context=64, attention="dense")
+    natural = [plain.prefill(0, prompt)] + [int(plain.decode_step()[0]) for _ in range(12)]
+    # ban the first token it would choose, favour 17; a token generated once gains 0.8,
+    # twice 0.4, then loses 0.4 per time more
+    bias = np.zeros(v, np.float32)
+    bias[[natural[0], 17]] = [-100, 2.5]
+    p = SamplingParams(presence_penalty=-1.2, frequency_penalty=0.4,
+                       logit_bias={natural[0]: -100, 17: 2.5})
+    e = Engine(tiny, max_seqs=2, max_context=64, attention="dense")
+    got = [e.prefill(0, prompt, p)]
+    assert got[0] == int(np.argmax(np.asarray(e.logits) + bias)) != natural[0]
+    e.prefill(1, [8, 8, 1], GREEDY)
+    neighbour = []
+    for _ in range(12):
+        counts = np.bincount(got, minlength=v).astype(np.float32)  # the input's included
+        toks = e.decode_step()
+        raw = np.asarray(e.logits[0])  # the step's raw logits (what logprobs report)
+        assert toks[0] == int(np.argmax(raw + bias + 1.2 * (counts > 0) - 0.4 * counts))
+        got.append(int(toks[0]))
+        neighbour.append(int(toks[1]))
+    np.testing.assert_array_equal(np.asarray(e.counts[0]), np.bincount(got[:-1], minlength=v))
+    assert 17 in got and max(np.bincount(got)) > 1  # the bias and the reward of repeats acted
+    e.release(1)
+    e.prefill(1, [8, 8, 1], GREEDY)
+    alone = [int(e.decode_step(np.array([False, True]))[1]) for _ in range(12)]
+    assert neighbour == alone
+    for again in (GREEDY, p):  # the slot's next sequence: no bias left, no counts left
+        e.release(0)
+        e.prefill(0, prompt, again)
+        fresh = Engine(tiny, max_seqs=2, max_context=64, attention="dense")
+        fresh.prefill(0, prompt, again)
+        for _ in range(6):
+            assert e.decode_step(np.array([True, False]))[0] == \
+                fresh.decode_step(np.array([True, False]))[0]
+    lens = e.lens.copy()
+    with pytest.raises(ValueError, match=f"token id {v} is not in the vocabulary"):
+        e.prefill(0, prompt, SamplingParams(logit_bias={v: 1.0}))
+    np.testing.assert_array_equal(e.lens, lens)
 
 
 def test_sampling_is_per_slot(tiny):

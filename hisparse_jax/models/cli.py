@@ -56,6 +56,10 @@ def main_generate(args):
             _fail("generate", f"--prompt-file {args.prompt_file}: {e.strerror or e}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         _fail("generate", f"--top-p {args.top_p}: must be in (0, 1]")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        if abs(getattr(args, flag)) > 2:
+            _fail("generate", f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be in "
+                              "[-2, 2]")
     if args.budget_tokens != FULL_BUDGET and args.budget_tokens % 16:
         _fail("generate", f"--budget-tokens {args.budget_tokens}: must be a multiple of 16 "
                           "(the page size) or 'all'")
@@ -73,7 +77,9 @@ def main_generate(args):
         engine.warmup(len(ids))  # so that the summary's speeds exclude compiling
         gen = generate(model, tok, ids, max_tokens=args.max_tokens,
                        temperature=args.temperature, top_p=args.top_p or 1.0,
-                       top_k=args.top_k, seed=args.seed, stop=args.stop or (), engine=engine)
+                       top_k=args.top_k, seed=args.seed, stop=args.stop or (),
+                       presence_penalty=args.presence_penalty,
+                       frequency_penalty=args.frequency_penalty, engine=engine)
         for piece in gen:
             sys.stdout.write(piece.text)
             sys.stdout.flush()
@@ -202,6 +208,10 @@ def add_model_parsers(subparsers):
     g.add_argument("--top-p", type=number(0.0, above=True), default=None, metavar="P")
     g.add_argument("--top-k", type=nonnegative_int, default=0, metavar="K")
     g.add_argument("--seed", type=nonnegative_int, default=0, metavar="S")
+    g.add_argument("--presence-penalty", type=number(-2.0), default=0.0, metavar="P",
+                   help="subtracted once from each generated token's logit, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=number(-2.0), default=0.0, metavar="P",
+                   help="subtracted per time generated, in [-2, 2]")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when TEXT is generated (repeatable)")
     g.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")

@@ -48,7 +48,14 @@ from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import HiSparseConfig, preset
 from hisparse_jax.models.llama import Llama
-from hisparse_jax.models.sampling import GREEDY, SamplingParams, sample
+from hisparse_jax.models.sampling import (
+    GREEDY,
+    SamplingParams,
+    SlotSampling,
+    bias_row,
+    sample_slots,
+    slot_params,
+)
 from hisparse_jax.offload import ColdStore, attend_planned, plan_copies
 from hisparse_jax.prefix import PrefixIndex
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, check_working_set
@@ -145,7 +152,7 @@ def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
 
     x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend)
     logits = model.logits(x[length - 1][None])
-    tok = sample(logits, length[None], *(a[None] for a in samp))
+    tok = sample_slots(logits, length[None], samp)
     if offload:
         return tok[0], logits[0], caches[0], *caches[1]
     return tok[0], logits[0], caches
@@ -214,7 +221,7 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef):
 
     x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend)
     logits = model.logits(x[last][None])
-    tok = sample(logits, (start + last + 1)[None], *(a[None] for a in samp))
+    tok = sample_slots(logits, (start + last + 1)[None], samp)
     return tok[0], logits[0], stage
 
 
@@ -223,6 +230,18 @@ def _write_stage(stage, k, v):
     """K/V [L, n, Hkv, D] into the staging buffer's first n positions."""
     return tuple(jax.lax.dynamic_update_slice_in_dim(s, x.astype(s.dtype), 0, 1)
                  for s, x in zip(stage, (k, v)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _reset_slot(bias, counts, slot, row):
+    """A new sequence in `slot`: its logit bias row [V], no token generated yet."""
+    return bias.at[slot].set(row), counts.at[slot].set(0)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _count_tokens(counts, slots, tokens, weights):
+    """counts [S, V] += weights at (slots, tokens), each [k]."""
+    return counts.at[slots, tokens].add(weights)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -245,7 +264,7 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     model = nnx.merge(graphdef, params)
     b = tokens.shape[0]
     tokens, lens, active = tokens[:n], lens[:n], active[:n]
-    samp = tuple(a[:n] for a in samp)
+    samp = jax.tree.map(lambda a: a[:n], samp)
     full = caches
     if hcfg is not None:
         hcfg, caches = st.first_slots(hcfg, caches, n, axis=1)
@@ -260,7 +279,7 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     if hcfg is not None:
         caches = st.put_first_slots(full, caches, axis=1)
     logits = model.logits(x)
-    nxt = sample(logits, lens + 1, *samp)
+    nxt = sample_slots(logits, lens + 1, samp)
     pad = lambda a: jnp.zeros((b, *a.shape[1:]), a.dtype).at[:n].set(a)
     return pad(nxt), pad(logits), caches
 
@@ -306,7 +325,7 @@ def _offload_back(params, caches, x, q, layer, ws, sample_ws, sched, held, plann
 def _logits_and_sample(params, x, lens, samp, *, graphdef):
     model = nnx.merge(graphdef, params)
     logits = model.logits(x)
-    return sample(logits, lens + 1, *samp), logits
+    return sample_slots(logits, lens + 1, samp), logits
 
 
 # ---------------------------------------------------------------- the engine
@@ -381,6 +400,10 @@ class Engine:
         self.lens = np.zeros(max_seqs, np.int32)
         self.tokens = np.zeros(max_seqs, np.int32)  # each slot's last token (next input)
         self.sampling = [GREEDY] * max_seqs
+        # each slot's logit bias and generated-token counts, on the device (the penalties)
+        vocab = model.cfg.vocab_size
+        self.bias = jnp.zeros((max_seqs, vocab), jnp.float32)
+        self.counts = jnp.zeros((max_seqs, vocab), jnp.float32)
         self.logits = None  # the last program's logits (device array)
         self._stage = None        # chunked prefill's bf16 K/V (prefill_chunk), made on first use
         self._stage_slot = None   # the slot whose prompt is staged
@@ -400,12 +423,23 @@ class Engine:
         for layer, store in enumerate(self.cold):
             store.store(pool_ids[layer], {f: x[layer] for f, x in codes.items()})
 
-    def _samp(self, slots):
-        ps = [self.sampling[s] for s in slots]
-        return (jnp.asarray([p.temperature for p in ps], jnp.float32),
-                jnp.asarray([p.top_k for p in ps], jnp.int32),
-                jnp.asarray([p.top_p for p in ps], jnp.float32),
-                jnp.asarray([p.seed for p in ps], jnp.uint32))
+    def _samp(self, slots) -> SlotSampling:
+        """The sampling arrays of `slots` (all of them, or one)."""
+        slots = list(slots)
+        rows = ((self.bias, self.counts) if slots == list(range(self.max_seqs)) else
+                (self.bias[slots[0]][None], self.counts[slots[0]][None]))
+        return SlotSampling(*slot_params([self.sampling[s] for s in slots]), *rows)
+
+    def _set_sampling(self, slot: int, sampling: SamplingParams):
+        """A new sequence's sampling in `slot`: its logit bias row, its counts emptied."""
+        row = bias_row(sampling, self.model.cfg.vocab_size)  # ValueError before any change
+        self.sampling[slot] = sampling
+        self.bias, self.counts = _reset_slot(self.bias, self.counts, np.int32(slot), row)
+
+    def _count(self, slots, tokens, weights):
+        """The penalties' counts: each of `tokens` [k] generated once more in its slot."""
+        self.counts = _count_tokens(self.counts, np.asarray(slots, np.int32), tokens,
+                                    np.asarray(weights, np.float32))
 
     def _check_slot(self, slot) -> int:
         return check_int("slot", slot, minimum=0, maximum=self.max_seqs - 1)
@@ -576,16 +610,16 @@ class Engine:
         slot = self._check_slot(slot)
         ids = self._check_prompt(ids)
         n = ids.shape[0]
+        bias_row(sampling, self.model.cfg.vocab_size)  # a bad logit bias fails here, first
         self._empty(slot)
         need = self._begin_fill(slot, ids, n)
-        self.sampling[slot] = sampling
+        self._set_sampling(slot, sampling)
         padded = np.zeros(prefill_length(n), np.int32)
         padded[:n] = ids
         shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
         tok, self.logits, self.caches, *new = _prefill(
             self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            shared, tuple(a[0] for a in self._samp([slot])), **self._static(),
-            offload=self.offload)
+            shared, self._samp([slot]), **self._static(), offload=self.offload)
         if new:
             self._store_cold(*new)
         self._end_fill(slot, ids, need)
@@ -630,6 +664,7 @@ class Engine:
                 raise ValueError(f"start={start!r}: a prompt of {n} tokens is one block")
             return self.prefill(slot, ids, sampling)
         start = check_int("start", start, minimum=0, maximum=n - 1)
+        bias_row(sampling, self.model.cfg.vocab_size)  # a bad logit bias fails here, first
         if start == 0:
             self._empty(slot)
             self._begin_fill(slot, ids, n, count=False)  # fails early if the pool is short
@@ -641,11 +676,11 @@ class Engine:
         block = np.zeros(PREFILL_CHUNK, np.int32)
         real = ids[start:start + PREFILL_CHUNK]
         block[:len(real)] = real
-        self.sampling[slot] = sampling
+        if start == 0 or self.sampling[slot] != sampling:
+            self._set_sampling(slot, sampling)
         tok, self.logits, self._stage = _prefill_chunk(
             self.params, self._stage, jnp.asarray(block), jnp.int32(start),
-            jnp.int32(len(real) - 1), tuple(a[0] for a in self._samp([slot])),
-            graphdef=self.graphdef)
+            jnp.int32(len(real) - 1), self._samp([slot]), graphdef=self.graphdef)
         self._staged = start + len(real)
         if self._staged < n:
             return None
@@ -730,6 +765,7 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens does not fit max_context={self.max_context}")
         next_token = check_int("next_token", next_token, minimum=0,
                                maximum=mc.vocab_size - 1)
+        bias_row(sampling, mc.vocab_size)  # a bad logit bias fails here, first
         if ids is not None:
             ids = self._check_prompt(ids)
             if len(ids) != n:
@@ -744,7 +780,7 @@ class Engine:
         else:
             self._fill_kv(slot, pad_to(k), pad_to(v), n, self._shared(slot, n + pad))
         self._end_fill(slot, ids, need)
-        self.sampling[slot] = sampling
+        self._set_sampling(slot, sampling)
         self.lens[slot] = n
         self.tokens[slot] = next_token
 
@@ -783,6 +819,8 @@ class Engine:
             need = int(np.sum((st.num_cold_pages(self.cache_cfg, before + active)
                                - st.num_cold_pages(self.cache_cfg, before)) * (before > 0)))
             self._make_room(need)
+        # the penalties count the tokens each sequence has generated: its input now
+        self._count(np.arange(self.max_seqs), self.tokens, active)
         if self.offload:
             nxt, self.logits = self._decode_offloaded(active, need > 0, self.decode_width(active))
         else:
@@ -931,7 +969,7 @@ class Engine:
         would cost as much again as compiling it); returns seconds."""
         t = time.perf_counter()
         n = prefill_length(min(prompt_len, self.max_context - 1))
-        samp = tuple(a[0] for a in self._samp([0]))
+        samp = self._samp([0])
         shared = None if self.cache_cfg is None else self._shared(-1, n)
         _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
                        jnp.int32(1), shared, samp, **self._static(),

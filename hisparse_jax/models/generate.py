@@ -173,6 +173,8 @@ def stop_ids(model: Llama, tokenizer: Tokenizer | None) -> tuple[int, ...]:
 def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop: Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             logit_bias: dict[int, float] | None = None,
              attention: str = "hisparse", budget_tokens: int = 2048,
              max_context: int | None = None, engine: Engine | None = None) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (see `prompt_ids`); stops
@@ -182,7 +184,9 @@ def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: i
     `max_context` (default: room for prompt + max_tokens, at most the model's)."""
     if not (is_int(max_tokens) and max_tokens >= 1):
         raise ValueError(f"max_tokens={max_tokens!r}: must be a positive int")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, logit_bias=logit_bias or ())
     ids = prompt_ids(tokenizer, prompt, chat)
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")

@@ -1,4 +1,5 @@
-"""Next-token sampling on the device: greedy, temperature, top-k, top-p, seeded.
+"""Next-token sampling on the device: greedy, temperature, top-k, top-p, seeded,
+after a logit bias and presence and frequency penalties.
 
 Each slot has its own parameters (arrays, so changing them does not recompile)
 and its own random stream: the key of a draw is (seed, position of the drawn
@@ -9,23 +10,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hisparse_jax.validate import is_int, is_number
+
+MAX_PENALTY = 2.0     # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # and for a logit bias: [-100, 100]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = no top-k; top_p 1 = no nucleus cut."""
+    """temperature 0 = greedy; top_k 0 = no top-k; top_p 1 = no nucleus cut.
+    presence_penalty / frequency_penalty: subtracted from the logit of every token
+    already generated, once / per time (OpenAI's and vLLM's definition: the
+    generated tokens, not the prompt's); logit_bias: {token id: added to its logit}
+    (a dict or (id, bias) pairs; kept as sorted pairs)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if not (is_number(x) and math.isfinite(x) and abs(x) <= MAX_PENALTY):
+                raise ValueError(f"{name}={x!r}: must be a number in [-2, 2]")
+        bias = self.logit_bias
+        pairs = list(bias.items() if isinstance(bias, dict) else bias)
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and is_int(pair[0])
+                    and pair[0] >= 0 and is_number(pair[1]) and math.isfinite(pair[1])
+                    and abs(pair[1]) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias={bias!r}: must map token ids >= 0 to numbers "
+                                 f"in [-100, 100]")
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((int(i), float(b)) for i, b in pairs)))
         if not (is_number(self.temperature) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0")
@@ -37,6 +64,51 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**32)")
 
 GREEDY = SamplingParams()
+
+
+class SlotSampling(NamedTuple):
+    """A batch of slots' sampling parameters as arrays (`Engine` keeps bias and
+    counts on the device): per slot [B] temperature, top_k, top_p, seed, presence
+    and frequency penalties; [B, V] logit bias and how often each token has been
+    generated so far (the penalties' counts)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    bias: jax.Array
+    counts: jax.Array
+
+
+def slot_params(params: list[SamplingParams]) -> tuple:
+    """The per-slot [B] fields of `SlotSampling` (host arrays), in its order."""
+    return (np.asarray([p.temperature for p in params], np.float32),
+            np.asarray([p.top_k for p in params], np.int32),
+            np.asarray([p.top_p for p in params], np.float32),
+            np.asarray([p.seed for p in params], np.uint32),
+            np.asarray([p.presence_penalty for p in params], np.float32),
+            np.asarray([p.frequency_penalty for p in params], np.float32))
+
+
+def bias_row(params: SamplingParams, vocab: int) -> np.ndarray:
+    """params' logit bias as a dense [V] row (ValueError for an id past the vocabulary)."""
+    row = np.zeros(vocab, np.float32)
+    for i, b in params.logit_bias:
+        if i >= vocab:
+            raise ValueError(f"logit_bias: token id {i} is not in the vocabulary [0, {vocab})")
+        row[i] = b
+    return row
+
+
+def sample_slots(logits: jax.Array, positions: jax.Array, s: SlotSampling) -> jax.Array:
+    """`sample` after each slot's logit bias and penalties: logits [B, V] + bias,
+    less presence for every token generated so far and frequency per time
+    (OpenAI's formula). The caller keeps the raw logits (logprobs report those)."""
+    adjusted = (logits + s.bias - s.presence[:, None] * (s.counts > 0)
+                - s.frequency[:, None] * s.counts)
+    return sample(adjusted, positions, s.temperature, s.top_k, s.top_p, s.seed)
 
 
 def sample(logits: jax.Array, positions: jax.Array, temperature: jax.Array, top_k: jax.Array,

@@ -152,19 +152,18 @@ class _Common(_Schema):
     context_id: str | None = None     # ours: a prewarmed document goes before the prompt
     user: str | None = None
     fault_nan_kv_after: int | None = None  # tests only (--fault-injection): NaN K/V after N tokens
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {token id (a string, as OpenAI's): bias}
     # Not implemented (NOT_IMPLEMENTED): declared so that a request setting one is refused.
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     repetition_penalty: Any = None    # vLLM's extension
-    logit_bias: Any = None
 
 
 # Parameters that would change the answer and that the engine does not implement,
 # with the values that change nothing: a request that sets another value gets a 400
 # naming the parameter, instead of an answer made as if it had not been set.
-NOT_IMPLEMENTED = {"presence_penalty": (0,), "frequency_penalty": (0,),
-                   "repetition_penalty": (1,), "logit_bias": ({},), "best_of": (1,),
-                   "suffix": ("",), "tools": ([],), "response_format": ({"type": "text"},)}
+NOT_IMPLEMENTED = {"repetition_penalty": (1,), "best_of": (1,), "suffix": ("",),
+                   "tools": ([],), "response_format": ({"type": "text"},)}
 
 
 class CompletionRequest(_Common):
@@ -489,10 +488,18 @@ def build_app(st: State) -> FastAPI:
         seed = r.seed if r.seed is not None else random.getrandbits(32)
         if not (0 <= seed < 2**32):
             raise APIError(400, f"seed={seed}: must be in [0, 2**32)", param="seed")
+        bias = {}
+        for key, value in (r.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) < ms.engine.model.cfg.vocab_size):
+                raise APIError(400, f"logit_bias: key {key!r} is not a token id in [0, "
+                               f"{ms.engine.model.cfg.vocab_size})", param="logit_bias")
+            bias[int(key)] = value
         try:
             sampling = SamplingParams(
                 temperature=float(temperature), top_k=r.top_k or 0,
-                top_p=1.0 if r.top_p is None else float(r.top_p), seed=seed)
+                top_p=1.0 if r.top_p is None else float(r.top_p), seed=seed,
+                presence_penalty=float(r.presence_penalty or 0),
+                frequency_penalty=float(r.frequency_penalty or 0), logit_bias=bias)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split("=")[0]) from None
         if not math.isfinite(temperature) or temperature > 2:
