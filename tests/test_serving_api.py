@@ -163,7 +163,8 @@ def test_seeds_reproduce(client):
     ({"prompt": FRANCE, "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": FRANCE, "max_tokens": -3}, 400, "max_tokens"),
     ({"prompt": FRANCE, "max_tokens": CONTEXT}, 400, "max_tokens"),
-    ({"prompt": FRANCE, "n": 2}, 400, "n"),
+    ({"prompt": FRANCE, "n": 0}, 400, "n"),
+    ({"prompt": FRANCE, "n": 17}, 400, "n"),
     ({"prompt": [99999999]}, 400, "prompt"),
     ({"prompt": FRANCE, "seed": -1}, 400, "seed"),
     ({"prompt": FRANCE, "model": "gpt-4"}, 404, "model"),
@@ -185,6 +186,37 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, body, status, param
     assert err["message"] and err["type"] and err["param"] == param
     assert _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 1}).status_code \
         == 200
+
+
+def test_n_choices(client):
+    """n choices: the i-th is what n=1 gives with seed + i (greedy: all the same),
+    the prompt counted once in the usage; streamed, each choice's deltas carry its
+    index, its role first and one finish, and add up to the same texts."""
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0,
+          "seed": 5}
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        alone = client.completions.create(**{**kw, "seed": 5 + c.index})
+        assert c.text == alone.choices[0].text and c.finish_reason == "length"
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * 8
+    greedy = client.completions.create(n=2, **{**kw, "temperature": 0})
+    assert greedy.choices[0].text == greedy.choices[1].text
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=6,
+                                          temperature=1.0, seed=9)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, n=2, max_tokens=6, temperature=1.0, seed=9, stream=True,
+        stream_options={"include_usage": True}))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.delta.content or "" for c in mine) == chat.choices[i].message.content
+        assert mine[0].delta.role == "assistant" and all(c.delta.role is None for c in mine[1:])
+        assert [c.finish_reason for c in mine if c.finish_reason] == \
+            [chat.choices[i].finish_reason]
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
 def test_logit_bias_and_penalties(client, tok):
@@ -241,8 +273,8 @@ def test_api_key_and_chat_errors(server):
     assert httpx.get(server["url"] + "/v1/models").status_code == 401
     r = _post(server, "/v1/chat/completions", {"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user"}], "n": 3})
-    assert r.status_code == 400
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user"}], "n": 17})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert _post(server, "/v1/nope", {}).status_code == 404
 
 

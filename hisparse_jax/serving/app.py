@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -162,6 +163,8 @@ class _Common(_Schema):
 # Parameters that would change the answer and that the engine does not implement,
 # with the values that change nothing: a request that sets another value gets a 400
 # naming the parameter, instead of an answer made as if it had not been set.
+MAX_N = 16  # choices per request (each one sequence slot)
+
 NOT_IMPLEMENTED = {"repetition_penalty": (1,), "best_of": (1,), "suffix": ("",),
                    "tools": ([],), "response_format": ({"type": "text"},)}
 
@@ -374,10 +377,11 @@ def build_app(st: State) -> FastAPI:
         ids = prompt_ids(ms, prompt)
         if r.logprobs is not None and not 0 <= r.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
-        req = make_request(ms, r, ids, r.max_tokens, r.logprobs)
+        reqs = make_requests(ms, r, ids, r.max_tokens, r.logprobs)
+        req = reqs[0]
         st.record({"model": ms.name, "prompt": prompt, "max_tokens": req.max_tokens,
                    "temperature": req.sampling.temperature})
-        return await respond(request, ms, r, req, "text_completion")
+        return await respond(request, ms, r, reqs, "text_completion")
 
     @app.post("/v1/prewarm")
     async def prewarm(request: HTTPRequest):
@@ -439,10 +443,11 @@ def build_app(st: State) -> FastAPI:
                 raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None \
             else r.max_tokens
-        req = make_request(ms, r, ids, max_tokens, top)
+        reqs = make_requests(ms, r, ids, max_tokens, top)
+        req = reqs[0]
         st.record({"model": ms.name, "messages": messages, "max_tokens": req.max_tokens,
                    "temperature": req.sampling.temperature})
-        return await respond(request, ms, r, req, "chat.completion")
+        return await respond(request, ms, r, reqs, "chat.completion")
 
     def prompt_ids(ms: Served, prompt: str | list[int]) -> list[int]:
         """Text through the model's tokenizer, or token ids checked against its vocabulary."""
@@ -456,10 +461,12 @@ def build_app(st: State) -> FastAPI:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    def make_request(ms: Served, r: _Common, ids: list[int], max_tokens: int | None,
-                     logprobs):
-        if r.n != 1:
-            raise APIError(400, f"n={r.n}: only n=1 is supported", param="n")
+    def make_requests(ms: Served, r: _Common, ids: list[int], max_tokens: int | None,
+                      logprobs) -> list[Request]:
+        """The request's `n` generations: one Request each, the i-th seeded seed + i
+        (so that sampled choices differ, and each reproduces)."""
+        if not 1 <= r.n <= MAX_N:
+            raise APIError(400, f"n={r.n}: must be in [1, {MAX_N}]", param="n")
         for name, fine in NOT_IMPLEMENTED.items():
             value = getattr(r, name, None)
             if value is not None and value not in fine:
@@ -518,9 +525,10 @@ def build_app(st: State) -> FastAPI:
             if ms.engine.cache_cfg is None or fault < 1:
                 raise APIError(400, "fault_nan_kv_after: a token count >= 1, on a HiSparse "
                                "engine", param="fault_nan_kv_after")
-        return Request(ids=ids, max_tokens=max_tokens, sampling=sampling, sink=None,
-                       stops=tuple(stops), eos=() if r.ignore_eos else ms.eos,
-                       logprobs=logprobs, fault_nan_kv_after=fault)
+        return [Request(ids=ids, max_tokens=max_tokens, sink=None, stops=tuple(stops),
+                        sampling=dataclasses.replace(sampling, seed=(seed + i) % 2**32),
+                        eos=() if r.ignore_eos else ms.eos, logprobs=logprobs,
+                        fault_nan_kv_after=fault) for i in range(r.n)]
 
     def submit(ms: Served, req: Request):
         try:
@@ -531,52 +539,72 @@ def build_app(st: State) -> FastAPI:
         except TooLarge as e:
             raise APIError(400, str(e), param="max_tokens", code="kv_pool_too_small") from None
 
-    async def respond(http: HTTPRequest, ms: Served, r: _Common, req: Request, kind: str):
+    async def respond(http: HTTPRequest, ms: Served, r: _Common, reqs: list[Request],
+                      kind: str):
+        """Submit the request's generations (all or none: a full queue refuses the
+        rest and cancels those it took) and answer with their choices."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
-        submit(ms, req)
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, Token | Finish)
+        for i, req in enumerate(reqs):
+            req.sink = functools.partial(_put_event, loop, events, i)
+        for k, req in enumerate(reqs):
+            try:
+                submit(ms, req)
+            except APIError:
+                for taken in reqs[:k]:
+                    ms.scheduler.cancel(taken)
+                raise
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         chat = kind == "chat.completion"
         if r.stream:
             usage = r.stream_options is not None and r.stream_options.include_usage
-            return StreamingResponse(stream(ms, req, events, rid, created, chat, usage),
+            return StreamingResponse(stream(ms, reqs, events, rid, created, chat, usage),
                                      media_type="text/event-stream",
                                      headers={"x-hisparse-lineage": ms.header})
-        tokens: list[Token] = []
-        ev = None
+        tokens: list[list[Token]] = [[] for _ in reqs]
+        finish: list[Finish | None] = [None] * len(reqs)
         try:
-            while not isinstance(ev, Finish):
+            while None in finish:
                 try:
-                    ev = await asyncio.wait_for(events.get(), 1.0)
+                    i, ev = await asyncio.wait_for(events.get(), 1.0)
                 except TimeoutError:
                     if await http.is_disconnected():  # the client went away
                         return Response(status_code=499)
                     continue
-                if isinstance(ev, Token):
-                    tokens.append(ev)
+                if isinstance(ev, Finish):
+                    finish[i] = ev
+                elif isinstance(ev, Token):
+                    tokens[i].append(ev)
         finally:
-            if not isinstance(ev, Finish):  # gone, or the server is stopping
-                ms.scheduler.cancel(req)
-        if ev.reason == "error":
-            raise APIError(500, f"the engine failed: {ev.message}", type="server_error")
-        text = "".join(t.text for t in tokens)
-        choice = {"index": 0, "finish_reason": _reason(ev)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = (_chat_logprobs(ms, tokens) if req.logprobs is not None
-                                  else None)
-        else:
-            choice["text"] = text
-            choice["logprobs"] = _logprobs(ms, tokens) if req.logprobs is not None else None
+            for req, f in zip(reqs, finish):
+                if f is None:  # gone, or the server is stopping
+                    ms.scheduler.cancel(req)
+        failed = [f for f in finish if f.reason == "error"]
+        if failed:
+            raise APIError(500, f"the engine failed: {failed[0].message}", type="server_error")
+        choices = []
+        for i, (toks, f) in enumerate(zip(tokens, finish)):
+            text = "".join(t.text for t in toks)
+            choice = {"index": i, "finish_reason": _reason(f)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = (_chat_logprobs(ms, toks) if reqs[i].logprobs is not None
+                                      else None)
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (_logprobs(ms, toks) if reqs[i].logprobs is not None
+                                      else None)
+            choices.append(choice)
         body = {"id": rid, "object": kind, "created": created, "model": ms.name,
-                "choices": [choice], "usage": _usage(ev)}
+                "choices": choices, "usage": _usage(finish)}
         return JSONResponse(body, headers={"x-hisparse-lineage": ms.header})
 
-    async def stream(ms: Served, req: Request, events, rid, created, chat, include_usage):
+    async def stream(ms: Served, reqs: list[Request], events, rid, created, chat,
+                     include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
         done = False
+        finish: list[Finish | None] = [None] * len(reqs)
 
         def chunk(choices, usage=None):
             body = {"id": rid, "object": kind, "created": created, "model": ms.name,
@@ -585,41 +613,45 @@ def build_app(st: State) -> FastAPI:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        # The role rides on the first delta that carries a token (or on the last), not
-        # on a chunk of its own sent before the prefill: clients that time the first
-        # chunk (vLLM 0.32's `bench serve`) would take it for the first token.
-        role = {"role": "assistant"} if chat else {}
+        # The role rides on a choice's first delta that carries a token (or on its
+        # last), not on a chunk of its own sent before the prefill: clients that time
+        # the first chunk (vLLM 0.32's `bench serve`) would take it for the first token.
+        role = [{"role": "assistant"} if chat else {} for _ in reqs]
         try:
-            while True:
-                ev = await events.get()
-                if isinstance(ev, Finish):
-                    break
-                if not ev.text and ev.id is not None and req.logprobs is None:
+            while None in finish:
+                i, ev = await events.get()
+                if isinstance(ev, Finish):  # this choice is done; the others go on
+                    finish[i] = ev
+                    last = {"index": i, "finish_reason": _reason(ev), "logprobs": None}
+                    last.update({"delta": role[i]} if chat else {"text": ""})
+                    if ev.reason == "error":
+                        err = {"message": ev.message, "type": "server_error", "param": None,
+                               "code": None}
+                        yield f"data: {json.dumps({'error': err})}\n\n"
+                    yield chunk([last])
+                    continue
+                if not ev.text and ev.id is not None and reqs[i].logprobs is None:
                     continue  # nothing to show yet (an EOS, text held back)
                 if chat:
-                    c = {"index": 0, "delta": {**role, "content": ev.text}, "finish_reason": None,
-                         "logprobs": _chat_logprobs(ms, [ev]) if req.logprobs is not None
+                    c = {"index": i, "delta": {**role[i], "content": ev.text},
+                         "finish_reason": None,
+                         "logprobs": _chat_logprobs(ms, [ev]) if reqs[i].logprobs is not None
                          else None}
                 else:
-                    c = {"index": 0, "text": ev.text, "finish_reason": None,
-                         "logprobs": _logprobs(ms, [ev]) if req.logprobs is not None
+                    c = {"index": i, "text": ev.text, "finish_reason": None,
+                         "logprobs": _logprobs(ms, [ev]) if reqs[i].logprobs is not None
                          else None}
                 yield chunk([c])
-                role = {}
+                role[i] = {}
             done = True
-            last = {"index": 0, "finish_reason": _reason(ev), "logprobs": None}
-            last.update({"delta": role} if chat else {"text": ""})
-            if ev.reason == "error":
-                err = {"message": ev.message, "type": "server_error", "param": None,
-                       "code": None}
-                yield f"data: {json.dumps({'error': err})}\n\n"
-            yield chunk([last])
             if include_usage:
-                yield chunk([], _usage(ev))
+                yield chunk([], _usage(finish))
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away (or the server is stopping)
-                ms.scheduler.cancel(req)
+                for req, f in zip(reqs, finish):
+                    if f is None:
+                        ms.scheduler.cancel(req)
 
     def _logprobs(ms: Served, tokens: list[Token]) -> dict:
         toks = [t for t in tokens if t.id is not None]
@@ -643,6 +675,13 @@ def _reason(ev: Finish) -> str:
     return {"stop": "stop", "length": "length"}.get(ev.reason, "abort")
 
 
-def _usage(ev: Finish) -> dict:
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+def _usage(finish: list[Finish]) -> dict:
+    """OpenAI's usage of n choices: the prompt counted once, the completions summed."""
+    prompt, completion = finish[0].prompt_tokens, sum(f.completion_tokens for f in finish)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _put_event(loop, events: asyncio.Queue, index: int, ev):
+    """A Request's sink: hand the scheduler thread's event to the request's loop."""
+    loop.call_soon_threadsafe(events.put_nowait, (index, ev))
