@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct (through `registry.load`, i.e. fetch)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -249,3 +251,25 @@ def test_child_row(code, want):
     else:
         with pytest.raises(RuntimeError, match=want):
             child_row([sys.executable, "-c", code], "", 60 if "sleep" not in code else 1)
+
+
+def test_cli_keeps_compiled_programs_beside_the_models(model, tmp_path):
+    """`hisparse` (without JAX_COMPILATION_CACHE_DIR) writes its compiled programs to
+    $HISPARSE_HOME/jax-cache/cli, and a second run of the same command reads them
+    back (its compile cache hits, nothing new written)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(registry.home() / "models")  # the fetched model, shared
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["HISPARSE_HOME"] = str(home)
+    argv = [sys.executable, "-m", "hisparse_jax.cli", "generate", "--prompt", FRANCE, "--chat",
+            "--max-tokens", "8", "--attention", "dense"]
+    cache = home / "jax-cache" / "cli"
+    runs = []
+    for _ in range(2):
+        r = subprocess.run(argv, check=False, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append((r.stdout, sorted(p.name for p in cache.iterdir())))
+    assert runs[0][0] == runs[1][0] and runs[0][0].strip()
+    assert runs[0][1] and runs[1][1] == runs[0][1]  # the second run compiled nothing new
