@@ -154,7 +154,7 @@ def test_engine_decode_step_updates_caches_in_place():
                         budget_tokens=1024)
     compiled = eng._decode.lower(
         engine.params, engine.caches, jnp.asarray(engine.tokens), jnp.asarray(engine.lens),
-        jnp.ones(2, bool), engine._samp(range(2)), **engine._static(), n=2).compile()
+        jnp.ones(2, bool), engine._samp(), **engine._static(), n=2).compile()
     layer_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.caches)) / mc.num_layers
     assert compiled.memory_analysis().temp_size_in_bytes < layer_bytes / 2
 

@@ -423,12 +423,12 @@ class Engine:
         for layer, store in enumerate(self.cold):
             store.store(pool_ids[layer], {f: x[layer] for f, x in codes.items()})
 
-    def _samp(self, slots) -> SlotSampling:
-        """The sampling arrays of `slots` (all of them, or one)."""
-        slots = list(slots)
-        rows = ((self.bias, self.counts) if slots == list(range(self.max_seqs)) else
-                (self.bias[slots[0]][None], self.counts[slots[0]][None]))
-        return SlotSampling(*slot_params([self.sampling[s] for s in slots]), *rows)
+    def _samp(self, slot: int | None = None) -> SlotSampling:
+        """The sampling arrays of every slot, or of `slot` alone (a batch of one)."""
+        if slot is None:
+            return SlotSampling(*slot_params(self.sampling), self.bias, self.counts)
+        return SlotSampling(*slot_params([self.sampling[slot]]), self.bias[slot][None],
+                            self.counts[slot][None])
 
     def _set_sampling(self, slot: int, sampling: SamplingParams):
         """A new sequence's sampling in `slot`: its logit bias row, its counts emptied."""
@@ -619,7 +619,7 @@ class Engine:
         shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
         tok, self.logits, self.caches, *new = _prefill(
             self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            shared, self._samp([slot]), **self._static(), offload=self.offload)
+            shared, self._samp(slot), **self._static(), offload=self.offload)
         if new:
             self._store_cold(*new)
         self._end_fill(slot, ids, need)
@@ -680,7 +680,7 @@ class Engine:
             self._set_sampling(slot, sampling)
         tok, self.logits, self._stage = _prefill_chunk(
             self.params, self._stage, jnp.asarray(block), jnp.int32(start),
-            jnp.int32(len(real) - 1), self._samp([slot]), graphdef=self.graphdef)
+            jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef)
         self._staged = start + len(real)
         if self._staged < n:
             return None
@@ -826,7 +826,7 @@ class Engine:
         else:
             nxt, self.logits, self.caches = _decode(
                 self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
-                jnp.asarray(active), self._samp(range(self.max_seqs)), **self._static(),
+                jnp.asarray(active), self._samp(), **self._static(),
                 n=self.decode_width(active))
         nxt = np.asarray(nxt)
         self.tokens = np.where(active, nxt, self.tokens).astype(np.int32)
@@ -858,7 +858,7 @@ class Engine:
             x, self.caches, below = _offload_back(
                 self.params, self.caches, x, q, idx, store.ws, store.sample_ws, store.sched,
                 store.sample_held, planned, **self._static())
-        return _logits_and_sample(self.params, x, lens, self._samp(range(self.max_seqs)),
+        return _logits_and_sample(self.params, x, lens, self._samp(),
                                   graphdef=self.graphdef)
 
     def offload_counters(self) -> dict[str, int | float]:
@@ -969,7 +969,7 @@ class Engine:
         would cost as much again as compiling it); returns seconds."""
         t = time.perf_counter()
         n = prefill_length(min(prompt_len, self.max_context - 1))
-        samp = self._samp([0])
+        samp = self._samp(0)
         shared = None if self.cache_cfg is None else self._shared(-1, n)
         _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
                        jnp.int32(1), shared, samp, **self._static(),
@@ -1002,5 +1002,5 @@ class Engine:
         for n in self.decode_widths():
             _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
                           jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
-                          self._samp(range(self.max_seqs)), **self._static(), n=n).compile()
+                          self._samp(), **self._static(), n=n).compile()
         return time.perf_counter() - t
