@@ -160,11 +160,11 @@ class _Common(_Schema):
     repetition_penalty: Any = None    # vLLM's extension
 
 
+MAX_N = 16  # choices per request (each one sequence slot)
+
 # Parameters that would change the answer and that the engine does not implement,
 # with the values that change nothing: a request that sets another value gets a 400
 # naming the parameter, instead of an answer made as if it had not been set.
-MAX_N = 16  # choices per request (each one sequence slot)
-
 NOT_IMPLEMENTED = {"repetition_penalty": (1,), "best_of": (1,), "suffix": ("",),
                    "tools": ([],), "response_format": ({"type": "text"},)}
 
