@@ -145,7 +145,7 @@ def use_compile_cache():
     (JAX's persistent cache, keyed by program, options and jax version; least recently
     used entries go past 1 GiB): a later `serve`, `generate` or `demo` loads its
     programs instead of compiling them again (`hisparse serve --max-seqs 4
-    --max-context 1024` is up in 6.1 s instead of 9.7 here). JAX_COMPILATION_CACHE_DIR
+    --max-context 1024` is up in 5.9 s instead of 10.0 here: docs/serving.md). JAX_COMPILATION_CACHE_DIR
     moves it (the test suite sets its own). Not for `hisparse bench`."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return

@@ -56,10 +56,11 @@ def main_generate(args):
             _fail("generate", f"--prompt-file {args.prompt_file}: {e.strerror or e}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         _fail("generate", f"--top-p {args.top_p}: must be in (0, 1]")
-    for flag in ("presence_penalty", "frequency_penalty"):
-        if abs(getattr(args, flag)) > 2:
+    from hisparse_jax.models.sampling import MAX_PENALTY
+    for flag in ("presence_penalty", "frequency_penalty"):  # before the model loads
+        if abs(getattr(args, flag)) > MAX_PENALTY:
             _fail("generate", f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be in "
-                              "[-2, 2]")
+                              f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
     if args.budget_tokens != FULL_BUDGET and args.budget_tokens % 16:
         _fail("generate", f"--budget-tokens {args.budget_tokens}: must be a multiple of 16 "
                           "(the page size) or 'all'")

@@ -430,9 +430,13 @@ class Engine:
         return SlotSampling(*slot_params([self.sampling[slot]]), self.bias[slot][None],
                             self.counts[slot][None])
 
-    def _set_sampling(self, slot: int, sampling: SamplingParams):
+    def _bias_row(self, sampling: SamplingParams) -> np.ndarray:
+        """`sampling`'s logit bias as a [V] row; a caller makes it before it changes
+        anything, so that a bad id (ValueError) leaves the engine as it was."""
+        return bias_row(sampling, self.model.cfg.vocab_size)
+
+    def _set_sampling(self, slot: int, sampling: SamplingParams, row: np.ndarray):
         """A new sequence's sampling in `slot`: its logit bias row, its counts emptied."""
-        row = bias_row(sampling, self.model.cfg.vocab_size)  # ValueError before any change
         self.sampling[slot] = sampling
         self.bias, self.counts = _reset_slot(self.bias, self.counts, np.int32(slot), row)
 
@@ -610,10 +614,10 @@ class Engine:
         slot = self._check_slot(slot)
         ids = self._check_prompt(ids)
         n = ids.shape[0]
-        bias_row(sampling, self.model.cfg.vocab_size)  # a bad logit bias fails here, first
+        row = self._bias_row(sampling)
         self._empty(slot)
         need = self._begin_fill(slot, ids, n)
-        self._set_sampling(slot, sampling)
+        self._set_sampling(slot, sampling, row)
         padded = np.zeros(prefill_length(n), np.int32)
         padded[:n] = ids
         shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
@@ -664,7 +668,7 @@ class Engine:
                 raise ValueError(f"start={start!r}: a prompt of {n} tokens is one block")
             return self.prefill(slot, ids, sampling)
         start = check_int("start", start, minimum=0, maximum=n - 1)
-        bias_row(sampling, self.model.cfg.vocab_size)  # a bad logit bias fails here, first
+        row = self._bias_row(sampling)
         if start == 0:
             self._empty(slot)
             self._begin_fill(slot, ids, n, count=False)  # fails early if the pool is short
@@ -677,7 +681,7 @@ class Engine:
         real = ids[start:start + PREFILL_CHUNK]
         block[:len(real)] = real
         if start == 0 or self.sampling[slot] != sampling:
-            self._set_sampling(slot, sampling)
+            self._set_sampling(slot, sampling, row)
         tok, self.logits, self._stage = _prefill_chunk(
             self.params, self._stage, jnp.asarray(block), jnp.int32(start),
             jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef)
@@ -765,7 +769,7 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens does not fit max_context={self.max_context}")
         next_token = check_int("next_token", next_token, minimum=0,
                                maximum=mc.vocab_size - 1)
-        bias_row(sampling, mc.vocab_size)  # a bad logit bias fails here, first
+        row = self._bias_row(sampling)
         if ids is not None:
             ids = self._check_prompt(ids)
             if len(ids) != n:
@@ -780,7 +784,7 @@ class Engine:
         else:
             self._fill_kv(slot, pad_to(k), pad_to(v), n, self._shared(slot, n + pad))
         self._end_fill(slot, ids, need)
-        self._set_sampling(slot, sampling)
+        self._set_sampling(slot, sampling, row)
         self.lens[slot] = n
         self.tokens[slot] = next_token
 
@@ -820,7 +824,11 @@ class Engine:
                                - st.num_cold_pages(self.cache_cfg, before)) * (before > 0)))
             self._make_room(need)
         # the penalties count the tokens each sequence has generated: its input now
-        self._count(np.arange(self.max_seqs), self.tokens, active)
+        # (only where a slot has a penalty: other slots never read their counts)
+        counted = active & np.array([p.presence_penalty != 0 or p.frequency_penalty != 0
+                                     for p in self.sampling])
+        if counted.any():
+            self._count(np.arange(self.max_seqs), self.tokens, counted)
         if self.offload:
             nxt, self.logits = self._decode_offloaded(active, need > 0, self.decode_width(active))
         else:
