@@ -131,23 +131,17 @@ OFFLOAD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 SLOT_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale",
                "page_table", "seq_lens", "last_selected", "poisoned")
 
-# The narrowest decode program a step over the first slots may run (`decode_widths`).
-# A slot's results must not depend on how many slots run beside it (a request
-# served alone equals it served in a batch): the sparse attention's numbers are
-# the same at 4 and 8 slots, but not at 1 or 2 (XLA:CPU picks other kernels for
-# those batch sizes; up to 0.11 in SmolLM2's logits). Traced on 2026-12-05: every
-# einsum alone agrees at 1, 2 and 4 slots, and so do the logits, their max and
-# exp(logits - max) when materialized apart; fused, exp(logits - max) of the bf16
-# window differs in the last bit at a few elements (1e-6 in a layer's output).
-# Width 4 at one request costs 2x width 1 in a HiSparse step here (123 vs 64 ms at
-# a 1K context, budget 512, interleaved in one process).
-MIN_DECODE_WIDTH = 4
-
 
 def decode_widths(max_seqs: int) -> list[int]:
-    """The slot counts a decode program over slots 0..n-1 is compiled for: 4, 8,
-    16, ... up to max_seqs (one program each)."""
-    out, w = [], MIN_DECODE_WIDTH
+    """The slot counts a decode program over slots 0..n-1 is compiled for: 1, 2, 4,
+    8, ... up to max_seqs (one program each). A slot's numbers are the same at
+    every width (a request served alone equals it served in a batch): the matmuls
+    pad to 4 rows (`models.llama.matmul`), the norms to 8, and the attention's
+    softmax sums come from its value dots (`sparse_decode.reference.dot_with_sum`),
+    because XLA:CPU sums a row in an order that depends on the number of rows.
+    One request then costs what one slot needs: 66 ms a step at width 1 against
+    134 at width 4 (SmolLM2, a 1K context, budget 512)."""
+    out, w = [], 1
     while w < max_seqs:
         out.append(w)
         w *= 2

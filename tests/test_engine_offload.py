@@ -118,7 +118,7 @@ def test_an_offloaded_engine_holds_less_on_the_device(model):
 def test_a_narrow_offloaded_step_equals_the_full_one(model):
     """Offload mode's step at low concurrency computes only the slots up to the
     highest active one (`Engine.decode_width`), as the resident step does: two
-    sequences in slots 0-1 of 8 step at width 4, and their tokens, logits, every
+    sequences in slots 0-1 of 8 step at width 2, and their tokens, logits, every
     cache field and every layer's working set, sample buffer, scheduler state and
     counters equal the full-width step's (the step before widths) bit for bit."""
     m, tok = model
@@ -127,7 +127,7 @@ def test_a_narrow_offloaded_step_equals_the_full_one(model):
     narrow, full = Engine(m, **kw), Engine(m, **kw)
     full.decode_width = lambda active: full.max_seqs
     active = np.arange(8) < 2
-    assert narrow.decode_width(active) == 4
+    assert narrow.decode_width(active) == 2
     for eng in (narrow, full):
         eng.prefill(0, prompts[0])
         eng.prefill(1, prompts[2])

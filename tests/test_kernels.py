@@ -11,6 +11,7 @@ with the default bf16x3 dots, rtol 1e-5 / atol 1e-6 with f32 dots; page scores
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -305,6 +306,27 @@ def test_sparse_decode_matches_reference(case):
     np.testing.assert_allclose(lse, ref_lse, rtol=case.rtol, atol=case.atol)
     if case.no_valid:
         np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+@pytest.mark.parametrize("case", [DecodeCase(16, 64, 3, 130, 0, 9, batch=4, kv_heads=3, pool=40),
+                                  DecodeCase(16, 64, 3, 128, 64, 31, batch=4, kv_heads=3, pool=40),
+                                  DecodeCase(32, 128, 4, 21, 13, 5, batch=4),
+                                  DecodeCase(16, 64, 1, 192, 0, 3, batch=4, kv_heads=3)], ids=str)
+def test_sparse_decode_reference_of_a_sequence_does_not_depend_on_the_batch(case):
+    """A sequence's output and lse are bit-equal whatever number of sequences the
+    call computes beside it (a decode step over 1 or 2 slots must equal one over
+    4: served alone == served in a batch, `state.decode_widths`). With the
+    softmax's sums as `jnp.sum` the first three cases differed at 1 and 2
+    sequences (XLA:CPU sums a row in another order for fewer rows)."""
+    args = make_decode(case)
+    logw = jnp.where(args[-1] >= 0, make_logw(case), 0.0)
+    per_seq = {0, 1, 2, 3, 4, 5, 6, 7, 8, 15}  # the arguments with a sequence axis
+    f = jax.jit(functools.partial(decode_ref.sparse_decode, sm_scale=0.125))
+    wide = f(*args, cold_logw=logw)
+    for b in (1, 2, 3):
+        cut = [a[:b] if i in per_seq else a for i, a in enumerate(args)]
+        for got, want in zip(f(*cut, cold_logw=logw[:b]), wide, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[:b])
 
 
 def test_cold_log_weight_counts_a_page_w_times():

@@ -14,7 +14,14 @@ from models_fixtures import bf16, hf_weights, model_weights, reference_logits, t
 
 from hisparse_jax.models import engine as eng
 from hisparse_jax.models.engine import Engine
-from hisparse_jax.models.llama import Llama, RopeScaling, apply_rope, rms_norm, rope_frequencies
+from hisparse_jax.models.llama import (
+    Llama,
+    RopeScaling,
+    apply_rope,
+    matmul,
+    rms_norm,
+    rope_frequencies,
+)
 from hisparse_jax.models.sampling import (
     GREEDY,
     SamplingParams,
@@ -37,6 +44,22 @@ def test_rms_norm_of_a_row_does_not_depend_on_the_batch(rows):
         np.testing.assert_array_equal(np.asarray(f(x[:rows], w)), np.asarray(f(x, w))[:rows])
         np.testing.assert_array_equal(np.asarray(f(x[:rows].reshape(rows, 1, 576), w))[:, 0],
                                       np.asarray(f(x, w))[:rows])
+
+
+@pytest.mark.parametrize(("rows", "shape"), [(1, (576, 1536)), (2, (576, 192)), (3, (1536, 576)),
+                                           (2, (576, 49152)), (5, (576, 576))])
+def test_matmul_of_a_row_does_not_depend_on_the_batch(rows, shape):
+    """A row's product is bit-equal in any batch (XLA:CPU sums 1 or 2 rows in
+    another order than 3 or more; before the padding to 4 rows 466 of 576 outputs
+    of one row differed from the same row in a 16-row batch)."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
+    f = jax.jit(matmul)
+    x = jnp.asarray(rng.standard_normal((16, shape[0])), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(f(x[:rows], w)), np.asarray(f(x, w))[:rows])
+    wt = jnp.asarray(w.T)  # the tied output projection's layout
+    g = jax.jit(lambda x, w: matmul(x, w, transposed=True))
+    np.testing.assert_array_equal(np.asarray(g(x[:rows], wt)), np.asarray(g(x, wt))[:rows])
 
 
 def _model(cfg, seed=0):
@@ -210,9 +233,13 @@ def test_one_program_per_shape(tiny):
     e.prefill(1, list(range(9, 20)))  # 5 and 11 tokens share the 64-token program
     n_prefill = eng._prefill._cache_size()
     caches = e.caches
+    n_decode = eng._decode._cache_size()
     e.decode_step()
     assert caches.bf16_k.is_deleted()  # donated: updated in place
-    n_decode = eng._decode._cache_size()
+    e.decode_step(np.array([True, False]))
+    assert e.decode_widths() == [1, 2]
+    assert eng._decode._cache_size() == n_decode + 2  # one program per width
+    n_decode += 2
     for active in ([True, False], [False, True], [True, True]):
         e.decode_step(np.array(active))
     assert eng._decode._cache_size() == n_decode

@@ -235,24 +235,33 @@ def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids
                                                ("hisparse", "gpl")])
 def test_a_narrow_decode_step_equals_the_full_one(model, long_ids, attention, text):
     """At low concurrency a decode step computes only the slots up to the highest
-    active one, rounded up to a width (4, 8): slot 0's tokens and logits are
-    bit-equal whether it decodes alone (width 4) or beside 7 others (width 8).
-    (On the GPL's text they were 0.08 apart from the third step until the model's
-    RMSNorm padded its rows: `test_rms_norm_of_a_row_does_not_depend_on_the_batch`.)"""
+    active one, rounded up to a width (1, 2, 4, 8): slot 0's tokens and logits are
+    bit-equal whether it decodes alone (width 1), beside one other (width 2) or
+    beside 7 others (width 8). (On the GPL's text they were 0.08 apart from the
+    third step until the model's RMSNorm padded its rows, and up to 0.15 at widths
+    1 and 2 until its matmuls padded theirs and the attention took its softmax
+    sums from its value dots: `test_rms_norm_of_a_row_does_not_depend_on_the_batch`,
+    `test_matmul_of_a_row_does_not_depend_on_the_batch`,
+    `test_sparse_decode_reference_of_a_sequence_does_not_depend_on_the_batch`.)"""
     if text == "gpl":
         with open("/usr/share/common-licenses/GPL-3") as f:
             ids = model[1].encode(f.read())[:600]
     else:
         ids = list(long_ids[:600])  # cold pages, a sparse selection
-    alone, full = (Engine(model[0], max_seqs=8, max_context=1024, attention=attention)
-                   for _ in range(2))
-    assert alone.decode_widths() == [4, 8]
+    alone, pair, full = (Engine(model[0], max_seqs=8, max_context=1024, attention=attention)
+                         for _ in range(3))
+    assert alone.decode_widths() == [1, 2, 4, 8]
+    assert alone.decode_width(np.arange(8) < 1) == 1
     assert alone.decode_width(np.arange(8) < 3) == 4
     assert alone.decode_width(np.arange(8) == 4) == 8
     alone.prefill(0, ids)
     for b in range(8):
         full.prefill(b, ids if b == 0 else ids[:300 + 20 * b])
+        if b < 2:
+            pair.prefill(b, ids if b == 0 else ids[:317])
     for _ in range(5):
         a = alone.decode_step(np.arange(8) == 0)[0]
-        assert a == full.decode_step()[0]
-        np.testing.assert_array_equal(np.asarray(alone.logits)[0], np.asarray(full.logits)[0])
+        assert a == pair.decode_step(np.arange(8) < 2)[0] == full.decode_step()[0]
+        for other in (pair, full):
+            np.testing.assert_array_equal(np.asarray(alone.logits)[0],
+                                          np.asarray(other.logits)[0])

@@ -175,7 +175,7 @@ def test_reused_blocks_show_no_stale_pages():
 
 
 def test_a_narrow_decode_step_equals_the_full_one(monkeypatch):
-    """Two requests in slots 0 and 1 of 8 decode in the 4-slot program
+    """Two requests in slots 0 and 1 of 8 decode in the 2-slot program
     (`state.decode_width`): outputs and cache bit-equal to computing all 8 slots."""
     def run(width_rule):
         monkeypatch.setattr(rt.st, "decode_width", width_rule)
@@ -193,7 +193,7 @@ def test_a_narrow_decode_step_equals_the_full_one(monkeypatch):
 
     real = rt.st.decode_width
     got, state = run(narrow)
-    assert set(widths) == {4}
+    assert set(widths) == {2}
     want, ref = run(lambda max_seqs, top: max_seqs)
     np.testing.assert_array_equal(got, want)
     for f in rt.st.CacheState.__dataclass_fields__:
