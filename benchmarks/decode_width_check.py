@@ -1,11 +1,12 @@
 """Is a sequence's decode step bit-equal at every decode width of an engine?
 
 A decode step computes the slots up to the highest active one, rounded up to a
-width (`Engine.decode_widths`: 4, 8, 16, ..., max_seqs). The server's promise
+width (`Engine.decode_widths`: 1, 2, 4, 8, ..., max_seqs). The server's promise
 that a greedy request gets what it gets served alone rests on slot 0's numbers
-not depending on that width. XLA:CPU sums a reduction in another order once it
-passes ~4,096 elements (docs/serving.md), so a reduction that grows with the
-batch can break it at shapes the tests do not build. This runs one engine per
+not depending on that width. XLA:CPU sums a row in an order that depends on
+the number of rows and, once a reduction passes ~4,096 elements, on its size
+(docs/serving.md, "Decode width"), so a reduction that grows with the batch
+can break it at shapes the tests do not build. This runs one engine per
 width, slot 0 holding the same prompt (the GPL's text) and the other slots
 shorter ones, and prints slot 0's token and the largest logit difference from
 the narrowest width at each step:

@@ -202,11 +202,11 @@ def _peak_pages(cfg, bound, k):
     sample of the pages at 4,096 pages or more: half the time at 128K.)"""
     x = bound[..., ::PEAK_STATS_STRIDE] if bound.shape[-1] >= 512 * PEAK_STATS_STRIDE else bound
     ok = x > -jnp.inf  # NaN (NaN keys) and non-candidates are left out
-    mean = (jnp.sum(jnp.where(ok, x, 0.0), axis=-1, keepdims=True)
+    mean = (row_sum(jnp.where(ok, x, 0.0))[..., None]
             / jnp.maximum(jnp.sum(ok, axis=-1, keepdims=True), 1))
     below = ok & (x < mean)
     dev = jnp.where(below, x - mean, 0.0)
-    sd = jnp.sqrt(jnp.sum(dev * dev, axis=-1, keepdims=True)
+    sd = jnp.sqrt(row_sum(dev * dev)[..., None]
                   / jnp.maximum(jnp.sum(below, axis=-1, keepdims=True), 1))
     # NaN bounds compare False: a poisoned page is never far.
     far = bound - mean > cfg.peak_z * jnp.maximum(sd, 1e-6)
@@ -248,6 +248,30 @@ def _offsets(cfg, seq_lens, salt, shape):
         jax.random.fold_in(jax.random.key(salt), w), shape))(window)
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """x summed over its last axis, in an order that does not depend on the other
+    axes' sizes: XLA:CPU sums a row (`jnp.sum`) in an order that depends on how
+    many rows there are, so a sequence's numbers changed with the number of
+    sequences a decode step computed (`state.decode_widths`); a cumulative sum's
+    last element is computed row by row alike, and so is a chain of adds (cheaper
+    for a short row: a page's 16 tokens)."""
+    if x.shape[-1] <= 32:
+        out = x[..., 0]
+        for i in range(1, x.shape[-1]):
+            out = out + x[..., i]
+        return out
+    return jnp.cumsum(x, axis=-1)[..., -1]
+
+
+def head_sum(x: jax.Array) -> jax.Array:
+    """x [B, Hkv, G, ...] summed over the group's heads one by one, in head order
+    (for the reason of `row_sum`; G is a few heads)."""
+    out = x[:, :, 0]
+    for g in range(1, x.shape[2]):
+        out = out + x[:, :, g]
+    return out
+
+
 def _systematic(cdf, u, n):
     """n systematic draws from each row's distribution: cdf [R, N] (not normalized),
     u [R] offsets in [0, 1) -> indices [R, n] (clipped to N - 1)."""
@@ -285,7 +309,7 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
                    jnp.where(pages >= 0, pages, npg)].set(False, mode="drop")
     top = jnp.max(jnp.where(free, mass, -jnp.inf), axis=-1, keepdims=True)
     share = jnp.where(free, jnp.exp(mass - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    share = share / jnp.maximum(jnp.sum(share, axis=-1, keepdims=True), 1e-30)
+    share = share / jnp.maximum(row_sum(share)[..., None], 1e-30)
     n_cand = jnp.sum(cand, axis=-1, keepdims=True)
     u = _offsets(cfg, seq_lens, _TAIL_KEY, (2, h))  # [B, 2, Hkv]
     draws = [_systematic(jnp.cumsum(x, axis=-1).reshape(b * h, npg), u[:, i].reshape(-1), k)
@@ -325,20 +349,21 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
     # In linear space, one exp: shares a head's maximum leaves below float32's
     # range count as zero (they carry < 1e-38 of its candidates' mass).
     top = jnp.max(logits, axis=(-2, -1), keepdims=True)
-    page = jnp.sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), axis=-1)
-    share = page / jnp.maximum(jnp.sum(page, axis=-1, keepdims=True), 1e-30)
+    # (row_sum, not jnp.sum: a sequence's numbers must not depend on the batch)
+    page = row_sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)))
+    share = page / jnp.maximum(row_sum(page)[..., None], 1e-30)
     window = None
     if window_lse is not None:
         # Each head's mass on the window, in units of its candidates' mass.
-        cand_lse = top[..., 0, 0] + jnp.log(jnp.sum(page, axis=-1))  # [B, Hkv, G]
+        cand_lse = top[..., 0, 0] + jnp.log(row_sum(page))  # [B, Hkv, G]
         window = jnp.exp(jnp.minimum(window_lse - cand_lse, 80.0))
         window = jnp.where(jnp.isnan(window), 0.0, window)
     if cfg.rerank_weight == "mass":  # each head's mass on window + candidates
         if window is None:
             raise ValueError("rerank_weight='mass' needs the window's log-sum-exp")
-        group = jnp.sum(share / (1.0 + window[..., None]), axis=2)
+        group = head_sum(share / (1.0 + window[..., None]))
     else:
-        group = jnp.sum(share, axis=2)                            # [B, Hkv, C]
+        group = head_sum(share)                                   # [B, Hkv, C]
     valid = group > 0                                             # NaN keys: never attended
     score = jnp.where(valid, group, -1.0)
     k = min(cfg.budget_pages, c)
@@ -360,7 +385,7 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
     free = valid.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
                     jnp.where(kept >= 0, kept, c)].set(False, mode="drop")
     share = jnp.where(free, group, 0.0)
-    share = share / jnp.maximum(jnp.sum(share, axis=-1, keepdims=True), 1e-30)
+    share = share / jnp.maximum(row_sum(share)[..., None], 1e-30)
     uniform = free / jnp.maximum(jnp.sum(free, axis=-1, keepdims=True), 1)
     prob = TAIL_UNIFORM_SHARE * uniform + (1 - TAIL_UNIFORM_SHARE) * share
     u = _offsets(cfg, seq_lens, _RERANK_KEY, (h,))                # [B, Hkv]
@@ -411,7 +436,7 @@ def _quest_floor(score, share, sharp, slack, bound, k):
     mass = jnp.einsum("bhjc,bhgc->bhjg", member.astype(share.dtype), share)
     ok = jnp.all((mass >= mass[:, :, :1] - slack[:, :, None]) | ~sharp[:, :, None],
                  axis=-1)  # j = 0: Quest's set
-    total = jnp.sum(mass, axis=-1)
+    total = head_sum(jnp.moveaxis(mass, -1, 2))
     # The best allowed j; on ties the larger (more of the shares' order).
     pick = k - jnp.argmax(jnp.where(ok, total, -1.0)[..., ::-1], axis=-1)
     chosen = jnp.take_along_axis(member, pick[:, :, None, None], axis=2)[:, :, 0]

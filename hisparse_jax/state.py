@@ -135,10 +135,11 @@ SLOT_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale
 def decode_widths(max_seqs: int) -> list[int]:
     """The slot counts a decode program over slots 0..n-1 is compiled for: 1, 2, 4,
     8, ... up to max_seqs (one program each). A slot's numbers are the same at
-    every width (a request served alone equals it served in a batch): the matmuls
-    pad to 4 rows (`models.llama.matmul`), the norms to 8, and the attention's
-    softmax sums come from its value dots (`sparse_decode.reference.dot_with_sum`),
-    because XLA:CPU sums a row in an order that depends on the number of rows.
+    every width (a request served alone equals it served in a batch): XLA:CPU
+    sums a row in an order that depends on the number of rows, so every sum over
+    a sequence's own axis takes a form that does not (`attention.row_sum`,
+    `sparse_decode.reference.dot_with_sum`; the model pads its matmuls and norms;
+    docs/serving.md, "Decode width").
     One request then costs what one slot needs: 66 ms a step at width 1 against
     134 at width 4 (SmolLM2, a 1K context, budget 512)."""
     out, w = [], 1

@@ -130,11 +130,14 @@ def test_lookup_reference_pool_and_row_scoring_agree(case, monkeypatch):
 def test_lookup_reference_scores_of_a_sequence_do_not_depend_on_the_batch(kv_heads, group,
                                                                          pages, pool):
     """A sequence's scores are bit-equal whatever number of sequences the call
-    scores beside it: a decode step over the first 4 slots must equal one over 8
-    (`state.decode_width`; served alone == served in a batch). XLA:CPU sums a
-    row in another order once the whole reduction passes ~4,096 elements, so the
+    scores beside it: a decode step over the first slot must equal one over 2, 4
+    or 8 (`state.decode_widths`; served alone == served in a batch). XLA:CPU sums
+    a row in another order once the whole reduction passes ~4,096 elements, so the
     mass's log-sum-exps, over all sequences at once, put SmolLM2's logits 0.2 apart
-    after 8 steps in a narrow step; they now run one sequence at a time."""
+    after 8 steps in a narrow step; they now run one sequence at a time. And it
+    runs one sequence's gathered-digest dots (a pool over 8x the table) in
+    another order than two or more (the first and last cases differed at 1);
+    one sequence is scored as two."""
     rng = np.random.default_rng(pages)
     dc = jnp.asarray(rng.standard_normal((kv_heads, pool, 64)), jnp.bfloat16)
     dr = jnp.asarray(np.abs(rng.standard_normal((kv_heads, pool, 64))) * 0.1,
@@ -145,7 +148,7 @@ def test_lookup_reference_scores_of_a_sequence_do_not_depend_on_the_batch(kv_hea
     q = jnp.asarray(rng.standard_normal((16, kv_heads, group, 64)) * 2, jnp.float32)
     f = jax.jit(lookup_ref.page_scores)
     wide = f(q, dc, dr, jnp.asarray(table))
-    for b in (4, 8):
+    for b in (1, 2, 4, 8):
         for got, want in zip(f(q[:b], dc, dr, jnp.asarray(table[:b])), wide, strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[:b])
 

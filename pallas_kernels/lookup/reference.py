@@ -34,6 +34,9 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     returns        bound [B, Hkv, G, N] and center [B, Hkv, N] float32, -inf for
                    non-candidates
     """
+    b = q.shape[0]
+    if b == 1:  # XLA:CPU runs a one-sequence batch's gathered dots in another order
+        q, page_table = jnp.concatenate([q, q]), jnp.concatenate([page_table, page_table])
     q = (q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))).transpose(1, 0, 2, 3)
     ids = jnp.maximum(page_table, 0)
 
@@ -69,4 +72,4 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
         return jax.lax.map(lambda a: one(*a), (x.transpose(1, 0, 2, 3),
                                                ok.transpose(1, 0, 2, 3)))
 
-    return jnp.where(ok, bound, -jnp.inf).transpose(1, 0, 2, 3), mass(center)
+    return jnp.where(ok, bound, -jnp.inf).transpose(1, 0, 2, 3)[:b], mass(center)[:b]
