@@ -248,23 +248,14 @@ def _offsets(cfg, seq_lens, salt, shape):
         jax.random.fold_in(jax.random.key(salt), w), shape))(window)
 
 
-def row_sum(x: jax.Array) -> jax.Array:
-    """x summed over its last axis, in an order that does not depend on the other
-    axes' sizes: XLA:CPU sums a row (`jnp.sum`) in an order that depends on how
-    many rows there are, so a sequence's numbers changed with the number of
-    sequences a decode step computed (`state.decode_widths`); a cumulative sum's
-    last element is computed row by row alike, and so is a chain of adds (cheaper
-    for a short row: a page's 16 tokens)."""
-    if x.shape[-1] <= 32:
-        out = x[..., 0]
-        for i in range(1, x.shape[-1]):
-            out = out + x[..., i]
-        return out
-    return jnp.cumsum(x, axis=-1)[..., -1]
+# A sequence's numbers must not depend on how many sequences the step computes
+# (`state.decode_widths`): its sums over its own axes go through `row_sum`, never
+# `jnp.sum`, whose order on XLA:CPU depends on the number of rows.
+row_sum = decode_ref.row_sum
 
 
 def head_sum(x: jax.Array) -> jax.Array:
-    """x [B, Hkv, G, ...] summed over the group's heads (`row_sum`'s chain of adds)."""
+    """x [B, Hkv, G, ...] summed over the group's heads (`row_sum`)."""
     return row_sum(jnp.moveaxis(x, 2, -1))
 
 
@@ -345,7 +336,6 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
     # In linear space, one exp: shares a head's maximum leaves below float32's
     # range count as zero (they carry < 1e-38 of its candidates' mass).
     top = jnp.max(logits, axis=(-2, -1), keepdims=True)
-    # (row_sum, not jnp.sum: a sequence's numbers must not depend on the batch)
     page = row_sum(jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)))
     share = page / jnp.maximum(row_sum(page)[..., None], 1e-30)
     window = None
@@ -432,7 +422,7 @@ def _quest_floor(score, share, sharp, slack, bound, k):
     mass = jnp.einsum("bhjc,bhgc->bhjg", member.astype(share.dtype), share)
     ok = jnp.all((mass >= mass[:, :, :1] - slack[:, :, None]) | ~sharp[:, :, None],
                  axis=-1)  # j = 0: Quest's set
-    total = head_sum(jnp.moveaxis(mass, -1, 2))
+    total = row_sum(mass)
     # The best allowed j; on ties the larger (more of the shares' order).
     pick = k - jnp.argmax(jnp.where(ok, total, -1.0)[..., ::-1], axis=-1)
     chosen = jnp.take_along_axis(member, pick[:, :, None, None], axis=2)[:, :, 0]

@@ -137,11 +137,9 @@ def decode_widths(max_seqs: int) -> list[int]:
     8, ... up to max_seqs (one program each). A slot's numbers are the same at
     every width (a request served alone equals it served in a batch): XLA:CPU
     sums a row in an order that depends on the number of rows, so every sum over
-    a sequence's own axis takes a form that does not (`attention.row_sum`,
-    `sparse_decode.reference.dot_with_sum`; the model pads its matmuls and norms;
-    docs/serving.md, "Decode width").
-    One request then costs what one slot needs: 66 ms a step at width 1 against
-    134 at width 4 (SmolLM2, a 1K context, budget 512)."""
+    a sequence's own axis takes a form that does not
+    (`sparse_decode.reference.row_sum`; the model pads its matmuls and norms;
+    docs/serving.md, "Decode width", measures what one request saves)."""
     out, w = [], 1
     while w < max_seqs:
         out.append(w)

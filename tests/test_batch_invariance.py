@@ -3,7 +3,7 @@ computes beside it (`state.decode_widths`: a request served alone equals it
 served in a batch). XLA:CPU sums a row in an order that depends on the number of
 rows, so every float reduction over a sequence's own axis in the selection, the
 tail sample, the re-rank and the attention goes through a batch-invariant form
-(`attention.row_sum`, `attention.head_sum`, `sparse_decode.reference.dot_with_sum`).
+(`sparse_decode.reference.row_sum`, `attention.head_sum`).
 The model's own (matmul, RMSNorm) are in test_models_llama.py, the lookup's and
 the attention kernel reference's in test_kernels.py, the whole engine's in
 test_serving_engine.py."""
@@ -41,7 +41,7 @@ def filled():
 
 
 # Both cases fail with the tail sample's and the re-rank's sums as jnp.sum.
-@pytest.mark.parametrize("q_scale", [1.5, 8.0])  # 8: sharp heads, the re-rank's floor runs
+@pytest.mark.parametrize("q_scale", [1.5, 8.0])  # 8: sharp heads (6 of 144 at step 1): the floor runs
 def test_decode_steps_of_a_sequence_do_not_depend_on_the_width(filled, q_scale):
     cfg, s = filled
     rng = np.random.default_rng(int(q_scale))

@@ -319,8 +319,8 @@ def test_sparse_decode_reference_of_a_sequence_does_not_depend_on_the_batch(case
     """A sequence's output and lse are bit-equal whatever number of sequences the
     call computes beside it (a decode step over 1 or 2 slots must equal one over
     4: served alone == served in a batch, `state.decode_widths`). With the
-    softmax's sums as `jnp.sum` the first three cases differed at 1 and 2
-    sequences (XLA:CPU sums a row in another order for fewer rows)."""
+    softmax's sums as `jnp.sum` (not `row_sum`) two or three of the cases differ
+    at 1 and 2 sequences (XLA:CPU sums a row in another order for fewer rows)."""
     args = make_decode(case)
     logw = jnp.where(args[-1] >= 0, make_logw(case), 0.0)
     per_seq = {0, 1, 2, 3, 4, 5, 6, 7, 8, 15}  # the arguments with a sequence axis

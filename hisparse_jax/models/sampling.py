@@ -42,7 +42,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             x = getattr(self, name)
             if not (is_number(x) and math.isfinite(x) and abs(x) <= MAX_PENALTY):
-                raise ValueError(f"{name}={x!r}: must be a number in [-2, 2]")
+                raise ValueError(f"{name}={x!r}: must be a number in "
+                                 f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         bias = self.logit_bias
         pairs = list(bias.items() if isinstance(bias, dict) else bias)
         for pair in pairs:
@@ -50,7 +51,7 @@ class SamplingParams:
                     and pair[0] >= 0 and is_number(pair[1]) and math.isfinite(pair[1])
                     and abs(pair[1]) <= MAX_LOGIT_BIAS):
                 raise ValueError(f"logit_bias={bias!r}: must map token ids >= 0 to numbers "
-                                 f"in [-100, 100]")
+                                 f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         object.__setattr__(self, "logit_bias",
                            tuple(sorted((int(i), float(b)) for i, b in pairs)))
         if not (is_number(self.temperature) and math.isfinite(self.temperature)

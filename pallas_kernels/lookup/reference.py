@@ -34,17 +34,17 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     returns        bound [B, Hkv, G, N] and center [B, Hkv, N] float32, -inf for
                    non-candidates
     """
-    b = q.shape[0]
-    if b == 1:  # XLA:CPU runs a one-sequence batch's gathered dots in another order
-        q, page_table = jnp.concatenate([q, q]), jnp.concatenate([page_table, page_table])
-    q = (q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))).transpose(1, 0, 2, 3)
-    ids = jnp.maximum(page_table, 0)
-
     # Scoring the whole pool and gathering the scores is ~5x faster on XLA:CPU than
     # gathering digest rows first (the row gather copies every digest byte), as long
     # as the pool is not much larger than one sequence's table (batch-1 caches, or a
     # few long sequences); otherwise only each sequence's own pages are scored.
     score_pool = digest_center.shape[1] <= POOL_SCORING_RATIO * page_table.shape[1]
+    b = q.shape[0]
+    if b == 1 and not score_pool:  # XLA:CPU runs one sequence's gathered dots in
+        # another order than two or more: a slot's scores would depend on the batch
+        q, page_table = jnp.concatenate([q, q]), jnp.concatenate([page_table, page_table])
+    q = (q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))).transpose(1, 0, 2, 3)
+    ids = jnp.maximum(page_table, 0)
 
     def dot(rows, digest):  # head-major batch dims: the layout XLA:CPU runs fastest
         rows, digest = rows.astype(jnp.bfloat16), digest.astype(jnp.bfloat16)  # e4m3 exact

@@ -13,16 +13,21 @@ import jax.numpy as jnp
 from pallas_kernels.quant.reference import INT4_LEVELS, decode_fp8
 
 
-def dot_with_sum(spec, p, v):
-    """(einsum(spec, p, v), p summed over the contracted axes): the sum as one more
-    value column of the same dot. XLA:CPU sums a row reduction in an order that
-    depends on how many rows there are, so `jnp.sum(p)` of one sequence changed
-    with the number of sequences beside it (a decode step over 1 slot against 4);
-    a batched dot computes each sequence alone (served alone == served in a batch,
-    `state.decode_width`)."""
-    ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
-    out = jnp.einsum(spec, p, jnp.concatenate([v, ones], axis=-1))
-    return out[..., :-1], out[..., -1]
+def row_sum(x):
+    """x summed over its last axis, in an order that does not depend on the other
+    axes' sizes. XLA:CPU sums a row (`jnp.sum`) in an order that depends on how
+    many rows there are, so a sequence's softmax sums changed with the number of
+    sequences beside it (a decode step over 1 slot against 4: served alone must
+    equal served in a batch, `state.decode_widths`). A chain of adds (a short
+    row) and a cumulative sum's last element are computed row by row alike."""
+    if x.shape[-1] == 0:
+        return jnp.zeros(x.shape[:-1], x.dtype)
+    if x.shape[-1] <= 32:
+        out = x[..., 0]
+        for i in range(1, x.shape[-1]):
+            out = out + x[..., i]
+        return out
+    return jnp.cumsum(x, axis=-1)[..., -1]
 
 
 def attend_part(q, k, v, valid, sm_scale):
@@ -33,7 +38,8 @@ def attend_part(q, k, v, valid, sm_scale):
     m = jnp.max(logits, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe[..., None])
-    out, denom = dot_with_sum("bhgt,bhtd->bhgd", p, jnp.where(valid[..., None], v, 0.0))
+    denom = row_sum(p)
+    out = jnp.einsum("bhgt,bhtd->bhgd", p, jnp.where(valid[..., None], v, 0.0))
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out, lse
@@ -72,7 +78,7 @@ def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids):
             + jnp.einsum("bhgkc,bhktc->bhgkt", qs[..., half:], (kc >> 4).astype(jnp.float32)))
 
 
-def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids, with_sum=False):
+def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids):
     """sum_t p[..., k, t] v[k, t] [B, Hkv, G, D] over the int4 pages `cold_ids` [B,
     Hkv, K] for weights p [B, Hkv, G, K, T]: values dequantized (zero + code * scale
     per channel group) and one dot per head (on XLA:CPU 16% faster at 168 pages
@@ -88,9 +94,7 @@ def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids, with_sum=False):
     codes = jnp.concatenate([vc & 0xF, vc >> 4], axis=-1).astype(jnp.float32)  # halves
     ng, d = scale.shape[-1], codes.shape[-1]
     v = codes.reshape(*codes.shape[:-1], ng, d // ng) * scale[..., None] + zero[..., None]
-    v = v.reshape(codes.shape)
-    return dot_with_sum("bhgkt,bhktd->bhgd", p, v) if with_sum else jnp.einsum(
-        "bhgkt,bhktd->bhgd", p, v)
+    return jnp.einsum("bhgkt,bhktd->bhgd", p, v.reshape(codes.shape))
 
 
 def attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
@@ -117,7 +121,8 @@ def attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids):
     m = jnp.max(logits, axis=(-2, -1))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
-    out, denom = cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids, with_sum=True)
+    denom = row_sum(p.reshape(*p.shape[:3], -1))
+    out = cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids)
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out, lse

@@ -1,0 +1,69 @@
+"""How long a serving engine's decode step takes with a few of its slots active.
+
+One `Engine` (HiSparse) of --max-seqs slots, each prefilled with --context tokens
+of the GPL's text; then, for each --active count, warm-up steps and the median
+of --steps timed `decode_step`s over the first that many slots. A step runs the
+narrowest compiled width that covers them (`Engine.decode_width`), so this is
+what one request (or a few) costs in a server of --max-seqs slots:
+
+    python benchmarks/decode_step_time.py --context 1000 --max-seqs 8 --active 1,8
+
+Another tree side by side (docs/serving.md, "Decode width"): run the same
+command from a git worktree of it with PYTHONPATH=that worktree, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from hisparse_jax.models.engine import Engine
+from hisparse_jax.models.registry import load
+
+TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=1000, help="prompt tokens per slot")
+    p.add_argument("--max-seqs", type=int, default=8)
+    p.add_argument("--budget", type=int, default=512, help="decode budget (tokens)")
+    p.add_argument("--active", default="1,8", help="active slot counts, comma-separated")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+    active = [int(a) for a in args.active.split(",")]
+    if not all(1 <= a <= args.max_seqs for a in active):
+        p.error(f"--active {args.active}: counts must be in [1, {args.max_seqs}]")
+    model, tok = load(args.model)
+    with open(TEXT) as f:
+        ids = tok.encode(f.read())
+    if len(ids) < args.context + 50 * args.max_seqs:
+        p.error(f"--context {args.context}: the text has {len(ids)} tokens")
+    e = Engine(model, max_seqs=args.max_seqs, max_context=args.context + 512,
+               budget_tokens=args.budget)
+    for b in range(args.max_seqs):  # other text in every slot
+        e.prefill(b, ids[50 * b:50 * b + args.context])
+    for a in active:
+        mask = np.arange(args.max_seqs) < a
+        for _ in range(args.warmup):
+            e.decode_step(mask)
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            e.decode_step(mask)
+            times.append(time.perf_counter() - t)
+        print(json.dumps({"active": a, "width": e.decode_width(mask),
+                          "max_seqs": args.max_seqs, "context": args.context,
+                          "budget": args.budget, "steps": args.steps,
+                          "median_step_ms": round(1000 * float(np.median(times)), 1)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
