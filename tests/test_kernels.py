@@ -135,7 +135,7 @@ def test_lookup_reference_scores_of_a_sequence_do_not_depend_on_the_batch(kv_hea
     a row in another order once the whole reduction passes ~4,096 elements, so the
     mass's log-sum-exps, over all sequences at once, put SmolLM2's logits 0.2 apart
     after 8 steps in a narrow step; they now run one sequence at a time. And it
-    runs one sequence's gathered-digest dots (a pool over 8x the table) in
+    runs one sequence's gathered-digest dots (a pool over 4x the table) in
     another order than two or more (the first and last cases differed at 1);
     one sequence is scored as two."""
     rng = np.random.default_rng(pages)
