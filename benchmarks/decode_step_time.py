@@ -10,6 +10,9 @@ what one request (or a few) costs in a server of --max-seqs slots:
 
 Another tree side by side (docs/serving.md, "Decode width"): run the same
 command from a git worktree of it with PYTHONPATH=that worktree, alternating.
+--pool-scoring-ratio R sets the lookup's `POOL_SCORING_RATIO` before anything
+compiles (0: always gather each sequence's digest rows; a large R: always score
+the whole pool), to compare its two paths in a server's engine.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.registry import load
+from pallas_kernels.lookup import reference as lookup_ref
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -36,7 +40,11 @@ def main(argv=None):
     p.add_argument("--active", default="1,8", help="active slot counts, comma-separated")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pool-scoring-ratio", type=float, default=None,
+                   help="the lookup's POOL_SCORING_RATIO (default: the shipped one)")
     args = p.parse_args(argv)
+    if args.pool_scoring_ratio is not None:
+        lookup_ref.POOL_SCORING_RATIO = args.pool_scoring_ratio
     active = [int(a) for a in args.active.split(",")]
     if not all(1 <= a <= args.max_seqs for a in active):
         p.error(f"--active {args.active}: counts must be in [1, {args.max_seqs}]")
@@ -61,6 +69,7 @@ def main(argv=None):
         print(json.dumps({"active": a, "width": e.decode_width(mask),
                           "max_seqs": args.max_seqs, "context": args.context,
                           "budget": args.budget, "steps": args.steps,
+                          "pool_scoring_ratio": lookup_ref.POOL_SCORING_RATIO,
                           "median_step_ms": round(1000 * float(np.median(times)), 1)}),
               flush=True)
 

@@ -240,7 +240,7 @@ def test_a_narrow_decode_step_equals_the_full_one(model, long_ids, attention, te
     beside 7 others (width 8). (On the GPL's text they were 0.08 apart from the
     third step until the model's RMSNorm padded its rows, and up to 0.15 at widths
     1 and 2 until its matmuls padded theirs and the attention took its softmax
-    sums from its value dots: `test_rms_norm_of_a_row_does_not_depend_on_the_batch`,
+    sums through `row_sum`: `test_rms_norm_of_a_row_does_not_depend_on_the_batch`,
     `test_matmul_of_a_row_does_not_depend_on_the_batch`,
     `test_sparse_decode_reference_of_a_sequence_does_not_depend_on_the_batch`.)"""
     if text == "gpl":
