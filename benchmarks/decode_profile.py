@@ -10,7 +10,10 @@ Variants (each one jitted program over all layers, caches donated, as the engine
 - `dense`: + exact attention over a bf16 cache (the engine's dense path);
 - `hisparse`: + `append_token` and `attention.decode_step` (the engine's path);
 - `append_only`: + `append_token`, attention returns q;
-- `attend_only`: + `decode_step` on the cache as prefilled, no append.
+- `attend_only`: + `decode_step` on the cache as prefilled, no append;
+- `select_only`: + `append_layer` and `select` (the pages the step would read);
+- `hisparse_cpu`: `hisparse` on the C++ kernels (`implementation="cpu"`), where
+  they build.
 The cache is filled with `context` tokens by the engine's own prefill first.
 Prints one JSON line per (batch, variant): median ms per step over `--repeats`.
 
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_kernels import build as cpu_build
 from hisparse_jax import attention as att
 from hisparse_jax import state as st
 from hisparse_jax.models import engine as eng
@@ -50,6 +54,13 @@ def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant):
             return eng.dense_decode_layer(caches, layer, q, k, v, lens, active)
         if variant == "hisparse":  # the engine's
             return att.decode_layer(hcfg, caches, layer, q, k, v, active)
+        if variant == "hisparse_cpu":  # the engine's, on the C++ kernels
+            return att.decode_layer(hcfg, caches, layer, q, k, v, active, implementation="cpu")
+        if variant == "select_only":  # + the append and the selection (no attention)
+            caches = st.append_layer(hcfg, caches, layer, k, v, active)[0]
+            sel = att.select(hcfg, st.layer_view(hcfg, caches, layer), q)
+            used = (jnp.sum(sel.pages) + jnp.sum(sel.sample) + jnp.sum(sel.sample_logw)) * 0
+            return q + used.astype(q.dtype), caches
         if variant == "append_only":
             return q, st.append_layer(hcfg, caches, layer, k, v, active)[0]
         out, _, after = att.decode_step(hcfg, st.layer_view(hcfg, caches, layer), q)
@@ -117,7 +128,10 @@ def main(argv=None):
             for s in range(a == "dense", batch):
                 e.prefill_kv(s, *kv, first)
         variants = {"weights": "hisparse", "dense": "dense", "hisparse": "hisparse",
-                    "append_only": "hisparse", "attend_only": "hisparse"}
+                    "append_only": "hisparse", "attend_only": "hisparse",
+                    "select_only": "hisparse"}
+        if cpu_build.unavailable() is None:
+            variants["hisparse_cpu"] = "hisparse"
         times = {v: [] for v in variants}
         for r in range(args.repeats + 2):  # interleaved; the first two compile / warm up
             for v, a in variants.items():
@@ -130,7 +144,7 @@ def main(argv=None):
                 tok.block_until_ready()
                 if r >= 2:
                     times[v].append(time.perf_counter() - t)
-                if v in ("hisparse", "append_only", "dense"):
+                if v in ("hisparse", "hisparse_cpu", "append_only", "select_only", "dense"):
                     e.lens = e.lens + 1  # the cache took a token
         for v, ts in times.items():
             print(json.dumps({"model": args.model, "context": args.context, "batch": batch,

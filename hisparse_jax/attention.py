@@ -1,8 +1,9 @@
 """Attention entry points: page selection, sparse decode, dense references, prefill.
 
-`implementation=None | "xla" | "pallas"` picks the kernel (None: Pallas on GPU
-when the kernels take the cache's shapes, XLA otherwise: `resolve_implementation`).
-Both compute the same function; the XLA path is the reference.
+`implementation=None | "xla" | "pallas" | "cpu"` picks the kernels (None: Pallas on
+a GPU when the kernels take the cache's shapes, XLA otherwise; "cpu", the C++
+kernels of cpu_kernels/, when named: `resolve_implementation`). All compute the
+same function; the XLA path is the reference.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from pallas_kernels.sparse_decode import reference as decode_ref
 
 def _ops(implementation, cfg: HiSparseConfig):
     """(page_scores, sparse_decode) for an implementation name."""
-    if resolve_implementation(implementation, cfg) == "pallas":
+    impl = resolve_implementation(implementation, cfg)
+    if impl == "pallas":
         from pallas_kernels.lookup import kernel as lookup_kernel
         from pallas_kernels.sparse_decode import kernel as decode_kernel
         return lookup_kernel.page_scores, decode_kernel.sparse_decode
+    if impl == "cpu":
+        from cpu_kernels import ops
+        return lookup_ref.page_scores, ops.sparse_decode
     return lookup_ref.page_scores, decode_ref.sparse_decode
 
 
@@ -502,38 +507,48 @@ def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: 
     return _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation)[0]
 
 
-def _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation):
-    """(out, attended logical pages [B, Hkv, min(C, K)])."""
+def _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation,
+                    stacked=None):
+    """(out, attended logical pages [B, Hkv, min(C, K)]). stacked: (the
+    layer-stacked state that `state` is a view of, the layer), whose tiers and pool
+    the "cpu" kernels read in place."""
     if sample is None:
         sample = jnp.zeros(logical.shape[:2] + (0,), jnp.int32)
         sample_logw = jnp.zeros(sample.shape, jnp.float32)
-    cold = tuple(getattr(state, f) for f in COLD_FIELDS)
+    tiers, layer = stacked or (state, None)
+    cold = tuple(getattr(tiers, f) for f in COLD_FIELDS)
     out, kept = attend_cold_slots(cfg, state, q, cold, pool_pages(state.page_table, logical),
-                                  pool_pages(state.page_table, sample), sample_logw,
-                                  implementation=implementation)
+                                  pool_pages(state.page_table, sample), sample_logw, layer,
+                                  tiers if stacked else None, implementation=implementation)
     return out, take_or_none(logical, kept)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold: tuple,
-                      slots: jax.Array, sample_slots: jax.Array, sample_logw: jax.Array, *,
-                      implementation=None):
+                      slots: jax.Array, sample_slots: jax.Array, sample_logw: jax.Array,
+                      layer=None, stacked: CacheState | None = None, *, implementation=None):
     """Decode attention whose cold pages are read from `cold` (arrays laid out like
     the state's pool, COLD_FIELDS order): the candidates at `slots` [B, Hkv, C]
     (-1 = none), re-ranked down to `cfg.budget_pages` (`rerank`) when there are
     more, and the sampled pages at `sample_slots` [B, Hkv, n], each weighted by
     exp(sample_logw) [B, Hkv, n]. `cold` is the state's own pool, or an offload
-    working set.
+    working set. With `layer`, `cold` is a layer-stacked pool and `stacked` the
+    layer-stacked state that `state` is a view of: the "cpu" kernels read that
+    layer of both in place (a custom call's operand cannot be a slice, and XLA
+    would copy the layer's pool for one); the others slice them.
 
     -> (out [B, Hq, D] float32, NaN for poisoned sequences; kept [B, Hkv, min(C, K)]:
     the attended candidates, as indices into `slots`, -1 = none)."""
     out, kept = _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw,
-                                   implementation)
+                                   layer, stacked, implementation)
     return jnp.where(state.poisoned[:, None, None], jnp.nan, out), kept
 
 
-def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, implementation):
+def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, layer, stacked,
+                       implementation):
     impl = resolve_implementation(implementation, cfg)
+    if layer is not None and (impl != "cpu" or stacked is None):
+        cold, layer, stacked = tuple(a[layer] for a in cold), None, None  # sliced in gathers
     # Without a tail sample the weights are constant zeros inside decode_attention's
     # jit, and XLA folds `logits + 0` into a different op order than the offload
     # path, which passes them at run time; the barrier keeps both bit-equal.
@@ -543,6 +558,12 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, im
     window = (qg, state.bf16_k, state.bf16_v, bf16_pos >= 0, state.fp8_k, state.fp8_v,
               state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    if impl == "cpu":
+        tiers = state if stacked is None else stacked
+        window = (qg, tiers.bf16_k, tiers.bf16_v, bf16_pos >= 0, tiers.fp8_k, tiers.fp8_v,
+                  tiers.fp8_k_scale, tiers.fp8_v_scale, fp8_pos >= 0)
+        return _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw,
+                           layer, sm_scale)
     c = slots.shape[-1]
     if c <= cfg.budget_pages:  # every candidate is attended
         kept = jnp.where(slots >= 0, jnp.arange(c, dtype=jnp.int32), -1)
@@ -581,6 +602,41 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, im
     return decode_ref.merge_parts(parts)[0].reshape(q.shape), kept
 
 
+def _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw, layer,
+                sm_scale):
+    """`_attend_cold_slots` on the C++ kernels (cpu_kernels/): the window's softmax,
+    the listed pages' logits, the re-rank (the XLA path's), and one kernel for the
+    rest of the arithmetic (`attend_listed`)."""
+    from cpu_kernels import ops
+    int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
+    [window_part] = ops.window_parts(*window, sm_scale, layer=layer)
+    c, n = slots.shape[-1], sample_slots.shape[-1]
+    listed = jnp.concatenate([slots, sample_slots], axis=-1)
+    raw = ops.cold_logits(qg, int4_k, center, radius, listed, layer=layer)
+    if c <= cfg.budget_pages:  # every candidate is attended
+        kept = jnp.where(slots >= 0, jnp.arange(c, dtype=jnp.int32), -1)
+        picked = jnp.broadcast_to(jnp.arange(c + n, dtype=jnp.int32), listed.shape)
+        logw = jnp.concatenate([jnp.zeros(slots.shape, jnp.float32), sample_logw], axis=-1)
+    else:
+        floor = {}
+        if cfg.quest_floor_mass < 1 or cfg.rerank_weight == "mass":
+            floor["window_lse"] = window_part[1]
+        if cfg.quest_floor_mass < 1:
+            pages = candidate_pages(*(a if layer is None else a[layer]
+                                      for a in (int4_k, center, radius)), slots)
+            floor["bound"] = lambda: _bounds(qg, *pages, slots)
+        kept, drawn, drawn_logw = rerank(
+            cfg, decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale),
+            state.seq_lens, **floor)
+        picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(
+            c + jnp.arange(n, dtype=jnp.int32), sample_slots.shape)], axis=-1)
+        logw = jnp.concatenate([jnp.zeros(kept.shape, jnp.float32), drawn_logw, sample_logw],
+                               axis=-1)
+    out = ops.attend_listed(raw, picked, take_or_none(listed, picked), logw, *window_part,
+                            int4_v, int4_v_scale, int4_v_zero, sm_scale=sm_scale, layer=layer)[0]
+    return out.reshape(qg.shape[0], -1, qg.shape[-1]), kept
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation", "return_selection"))
 def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
                      implementation=None, return_selection=False):
@@ -597,12 +653,14 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
-def decode_step(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None):
+def decode_step(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None,
+                stacked=None):
     """`decode_attention` as a decode step: (out [B, Hq, D], attended logical pages
-    [B, Hkv, K], the state after `remember`ing this step's candidates)."""
+    [B, Hkv, K], the state after `remember`ing this step's candidates).
+    stacked: see `_attend_logical`."""
     sel = select(cfg, state, q, implementation=implementation)
     out, pages = _attend_logical(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
-                                 implementation)
+                                 implementation, stacked)
     return out, pages, remember(cfg, state, sel.pages)
 
 
@@ -614,8 +672,11 @@ def decode_layer(cfg: HiSparseConfig, stacked: CacheState, layer, q, k, v, activ
     remember its candidates (all a decode step changes besides the append).
     -> (out [B, Hq, D] float32, stacked)."""
     stacked = append_layer(cfg, stacked, layer, k, v, active, implementation=implementation)[0]
+    # The "cpu" kernels read the layer's tiers and pool in the stacked arrays.
+    cpu = resolve_implementation(implementation, cfg) == "cpu"
     out, _, after = decode_step(cfg, layer_view(cfg, stacked, layer), q,
-                                implementation=implementation)
+                                implementation=implementation,
+                                stacked=(stacked, layer) if cpu else None)
     return out, stacked.replace(
         last_selected=stacked.last_selected.at[layer].set(after.last_selected))
 

@@ -179,8 +179,9 @@ def add_model_bench_parsers(bench_subparsers):
     b.add_argument("--rerank-multiple", type=number_list(1.0), default=None, metavar="X,Y,...",
                    help="HiSparse candidates per budget page, a row each (default: the "
                         "config's)")
-    b.add_argument("--implementation", choices=("pallas", "xla"), default=None,
-                   help="HiSparse's kernels (default: Pallas on a GPU, XLA elsewhere)")
+    b.add_argument("--implementation", choices=("pallas", "cpu", "xla"), default=None,
+                   help="HiSparse's kernels (default: Pallas on a GPU, XLA elsewhere; "
+                        "cpu: the C++ decode kernels, built on first use)")
     b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
     b.add_argument("--json", action="store_true", help="one JSON line per row")
     add_rope_flags(b)

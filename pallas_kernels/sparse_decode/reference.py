@@ -58,11 +58,15 @@ def merge_parts(parts):
     return out, lse
 
 
-def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids):
+def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids, layer=None):
     """q.k [B, Hkv, G, K, T] (unscaled) of the int4 pages `cold_ids` [B, Hkv, K],
     without building dequantized K tiles: q.lo + (q * step).code per half. Codes are
     uint8 (always finite); the ranges of unselected slots (-1) are replaced by zeros,
-    so stale pool data never leaks (mask their logits after)."""
+    so stale pool data never leaks (mask their logits after). With `layer`, the pool
+    arrays carry a leading layer axis and that layer is read (as the CPU kernels')."""
+    if layer is not None:
+        int4_k, digest_center, digest_radius = (
+            a[layer] for a in (int4_k, digest_center, digest_radius))
     d = q.shape[-1]
     half = d // 2
     heads = jnp.arange(q.shape[1])[None, :, None]
@@ -98,11 +102,11 @@ def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids):
 
 
 def attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center, digest_radius,
-                cold_ids, cold_logw, sm_scale):
+                cold_ids, cold_logw, sm_scale, layer=None):
     """Selected int4 pages -> (out, lse)."""
-    logits = weighted_logits(cold_logits(q, int4_k, digest_center, digest_radius, cold_ids),
-                             cold_ids, cold_logw, sm_scale)
-    return attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids)
+    logits = weighted_logits(cold_logits(q, int4_k, digest_center, digest_radius, cold_ids,
+                                         layer), cold_ids, cold_logw, sm_scale)
+    return attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids, layer)
 
 
 def weighted_logits(logits, cold_ids, cold_logw, sm_scale):
@@ -115,9 +119,12 @@ def weighted_logits(logits, cold_ids, cold_logw, sm_scale):
     return jnp.where((cold_ids >= 0)[:, :, None, :, None], logits, -jnp.inf)
 
 
-def attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids):
+def attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids, layer=None):
     """The int4 pages `cold_ids` [B, Hkv, K] given their final logits [B, Hkv, G, K,
-    T] (scaled, weighted, -inf where masked) -> (out, lse)."""
+    T] (scaled, weighted, -inf where masked) -> (out, lse). `layer`: as `cold_logits`'."""
+    if layer is not None:
+        int4_v, int4_v_scale, int4_v_zero = (
+            a[layer] for a in (int4_v, int4_v_scale, int4_v_zero))
     m = jnp.max(logits, axis=(-2, -1))
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe[..., None, None])            # [B, Hkv, G, K, T]
@@ -128,10 +135,28 @@ def attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, cold_ids):
     return out, lse
 
 
+def attend_listed(raw, picked, ids, logw, window_out, window_lse, int4_v, int4_v_scale,
+                  int4_v_zero, *, sm_scale, layer=None):
+    """The final softmax of a decode step whose pages were listed and re-ranked:
+    the entries `picked` [B, Hkv, K] (indices into the pages of raw, -1 = none) of
+    `cold_logits` raw [B, Hkv, G, C, T], at pool pages `ids` [B, Hkv, K] (-1 =
+    none) with log weights `logw` [B, Hkv, K], merged with the window's softmax
+    (window_out [B, Hkv, G, D], window_lse [B, Hkv, G]) -> (out, lse). The XLA
+    path does this inline (hisparse_jax.attention); the CPU kernel's reference."""
+    logits = weighted_logits(
+        jnp.take_along_axis(raw, jnp.maximum(picked, 0)[:, :, None, :, None], axis=3),
+        ids, logw, sm_scale)
+    cold = attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, ids, layer)
+    return merge_parts([(window_out, window_lse), cold])
+
+
 def window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
-                 fp8_valid, sm_scale):
+                 fp8_valid, sm_scale, layer=None):
     """[(out, lse)] of the bf16 part and, if there is one, the fp8 part (arguments
-    as `sparse_decode`'s)."""
+    as `sparse_decode`'s; with `layer`, the tiers carry a leading layer axis)."""
+    if layer is not None:
+        bf16_k, bf16_v, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale = (
+            a[layer] for a in (bf16_k, bf16_v, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale))
     q = q.astype(jnp.float32)
     hkv = q.shape[1]
 
@@ -148,7 +173,7 @@ def window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                  digest_radius, cold_ids, *, sm_scale, cold_logw=None):
+                  digest_radius, cold_ids, *, sm_scale, cold_logw=None, layer=None):
     """Decode attention of one query per sequence over its attended set.
 
     q:            [B, Hkv, G, D] float32
@@ -164,14 +189,15 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
     cold_logw:    [B, Hkv, K] f32          log weight added to each cold page's logits
                                            (an importance-sampled page counts w times);
                                            None = 0
+    layer:        None, or the layer to read of pool arrays with a leading layer axis
     returns (out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32)
     """
     q = q.astype(jnp.float32)
     if cold_logw is None:
         cold_logw = jnp.zeros(cold_ids.shape, jnp.float32)
     parts = window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale,
-                         fp8_v_scale, fp8_valid, sm_scale)
+                         fp8_v_scale, fp8_valid, sm_scale, layer)
     if cold_ids.shape[2]:
         parts.append(attend_cold(q, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
-                                 digest_radius, cold_ids, cold_logw, sm_scale))
+                                 digest_radius, cold_ids, cold_logw, sm_scale, layer))
     return merge_parts(parts)

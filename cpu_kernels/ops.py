@@ -1,0 +1,97 @@
+"""The CPU kernels with their references' signatures
+(pallas_kernels/sparse_decode/reference.py), plus `layer`: given a layer index, the
+pool arrays carry a leading layer axis and the kernel reads that layer in place
+(a layer of a stacked cache, which XLA would otherwise copy whole for the call).
+
+They compute the same functions as the references, with other rounding: sums in
+another order and exp by a polynomial (about 1 ulp), so outputs agree to ~1e-6
+relative, not bitwise. Each (sequence, KV head) is computed alone, in the same
+order whatever the batch, so a sequence's numbers never depend on the others'.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpu_kernels import build
+from pallas_kernels.sparse_decode import reference as ref
+
+
+def _pool(arrays, layer):
+    """Pool arrays with a layer axis, and the layer's index."""
+    if layer is None:
+        return [a[None] for a in arrays], jnp.zeros((), jnp.int32)
+    return list(arrays), jnp.asarray(layer, jnp.int32)
+
+
+def _e4m3(r):
+    """e4m3 radii as they are: float8_e4m3fn, or its bits as uint8 (a stacked
+    cache's stored form; the kernel reads both, so no converted copy is made)."""
+    if r.dtype not in (jnp.float8_e4m3fn, jnp.uint8):
+        raise TypeError(f"digest_radius must be float8_e4m3fn or its uint8 bits, got {r.dtype}")
+    return r
+
+
+def _call(target, out_shapes, *args, **attrs):
+    why = build.unavailable()
+    if why:
+        raise RuntimeError(why)
+    return jax.ffi.ffi_call(target, out_shapes)(*args, **attrs)
+
+
+def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids, layer=None):
+    """`ref.cold_logits`: q.k [B, Hkv, G, K, T] (unscaled) of the int4 pages
+    `cold_ids` [B, Hkv, K] (0 where -1)."""
+    (k, c, r), layer = _pool((int4_k, digest_center, digest_radius), layer)
+    shape = q.shape[:3] + (cold_ids.shape[-1], k.shape[3])
+    return _call("hisparse_cold_logits", jax.ShapeDtypeStruct(shape, jnp.float32),
+                 q.astype(jnp.float32), k, c.astype(jnp.bfloat16), _e4m3(r),
+                 cold_ids.astype(jnp.int32), layer)
+
+
+def attend_listed(raw, picked, ids, logw, window_out, window_lse, int4_v, int4_v_scale,
+                  int4_v_zero, *, sm_scale, layer=None):
+    """`ref.attend_listed`: the picked pages' softmax merged with the window's
+    -> (out [B, Hkv, G, D], lse [B, Hkv, G])."""
+    (v, s, z), layer = _pool((int4_v, int4_v_scale, int4_v_zero), layer)
+    return _call("hisparse_attend_listed",
+                 (jax.ShapeDtypeStruct(window_out.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(window_lse.shape, jnp.float32)),
+                 raw.astype(jnp.float32), picked.astype(jnp.int32), ids.astype(jnp.int32),
+                 logw.astype(jnp.float32), window_out.astype(jnp.float32),
+                 window_lse.astype(jnp.float32), v, s.astype(jnp.bfloat16),
+                 z.astype(jnp.bfloat16), layer, sm_scale=np.float32(sm_scale))
+
+
+def window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
+                 fp8_valid, sm_scale, layer=None):
+    """`ref.window_parts`: [(out, lse)] of the window, its bf16 and fp8 tiers in one
+    softmax (one part, where the reference has one per tier)."""
+    (bk, bv, fk, fv, fks, fvs), layer = _pool(
+        (bf16_k, bf16_v, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale), layer)
+    head = q.shape[:3]
+    return [_call("hisparse_window",
+                  (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(head, jnp.float32)),
+                  q.astype(jnp.float32), bk.astype(jnp.bfloat16), bv.astype(jnp.bfloat16),
+                  bf16_valid.astype(bool), _e4m3(fk), _e4m3(fv), fks.astype(jnp.float32),
+                  fvs.astype(jnp.float32), fp8_valid.astype(bool), layer,
+                  sm_scale=np.float32(sm_scale))]
+
+
+def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
+                  fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
+                  digest_radius, cold_ids, *, sm_scale, cold_logw=None, layer=None):
+    """`ref.sparse_decode` on the CPU kernels: the window, the pages' logits, and
+    the softmax over all of them (every page listed is attended)."""
+    q = q.astype(jnp.float32)
+    if cold_logw is None:
+        cold_logw = jnp.zeros(cold_ids.shape, jnp.float32)
+    [window] = window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale,
+                            fp8_v_scale, fp8_valid, sm_scale, layer)
+    raw = cold_logits(q, int4_k, digest_center, digest_radius, cold_ids, layer)
+    every = jnp.broadcast_to(jnp.arange(cold_ids.shape[-1], dtype=jnp.int32), cold_ids.shape)
+    return attend_listed(raw, every, cold_ids, cold_logw, *window, int4_v, int4_v_scale,
+                         int4_v_zero, sm_scale=sm_scale, layer=layer)
