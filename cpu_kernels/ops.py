@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import build
-from pallas_kernels.sparse_decode import reference as ref
 
 
 def _pool(arrays, layer):

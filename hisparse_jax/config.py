@@ -31,6 +31,7 @@ def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) ->
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     import jax
+
     from pallas_kernels.common import unsupported
     why = None if cfg is None else unsupported(cfg.head_dim)
     if implementation is None:

@@ -41,7 +41,7 @@ CASES = [
     (["bench", "generate", "--budget-tokens", "17"], "--budget-tokens 17: must be a multiple"),
     (["bench", "generate", "--batch", "0"], "argument --batch: every value must be >= 1"),
     (["bench", "generate", "--implementation", "cuda"],
-     "argument --implementation: invalid choice: 'cuda'"),
+     "argument --implementation: unknown 'cuda'; choose from pallas, cpu, xla"),
     (["serve", "--implementation", "cuda"], "argument --implementation: invalid choice: 'cuda'"),
     (["generate", "--prompt", "hi", "--rope-scaling", "foo:2"],
      "rope_scaling='foo:2': RopeScaling.kind='foo': must be one of"),

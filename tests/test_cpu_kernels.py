@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels import build
-from cpu_kernels import ops
+from cpu_kernels import build, ops
 from hisparse_jax.config import HiSparseConfig, resolve_implementation
 from pallas_kernels.quant import reference as quant_ref
 from pallas_kernels.sparse_decode import reference as ref

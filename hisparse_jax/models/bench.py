@@ -172,13 +172,14 @@ def _measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
 
 def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
         budget_tokens: int | None = None, threads: int = 2, log=print,
-        rerank_multiples=(None,), implementation: str | None = None,
+        rerank_multiples=(None,), implementations=(None,),
         **overrides) -> Iterator[dict]:
     """Rows, one per (context, batch, engine); llama.cpp once per context (batch 1).
     budget_tokens None: a 16th of each context (a multiple of 16, at least 64).
     HiSparse gets a row per rerank_multiples value (None: the config's default),
-    so that candidate counts are timed side by side. implementation: HiSparse's
-    kernels, "pallas" or "xla" (None: Pallas on a GPU, XLA elsewhere)."""
+    so that candidate counts are timed side by side, and per implementations value
+    (HiSparse's kernels: "pallas", "cpu" or "xla"; None: Pallas on a GPU, XLA
+    elsewhere), so that kernels are timed side by side."""
     from hisparse_jax.models.registry import load, resolve
     src = resolve(model_name)
     if "llamacpp" in engines and overrides:
@@ -207,8 +208,8 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
                             "works on AMX CPUs: benchmarks/capture_llamacpp.py)")
                         rows = []
                 elif engine == "hisparse":
-                    rows = [measure(model, ids, engine, batch, decode, budget, m,
-                                    implementation) for m in rerank_multiples]
+                    rows = [measure(model, ids, engine, batch, decode, budget, m, impl)
+                            for impl in implementations for m in rerank_multiples]
                 else:
                     rows = [measure(model, ids, engine, batch, decode, budget)]
                 for row in rows:

@@ -14,6 +14,7 @@ import sys
 from hisparse_jax.cli.args import (
     CLIError,
     budget_tokens,
+    choice_list,
     int_list,
     nonnegative_int,
     number,
@@ -139,7 +140,8 @@ def main_bench_generate(args):
                                 "of 16 (the page size)")
     if min(args.context) < 64:
         _fail("bench generate", f"--context {min(args.context)}: at least 64 tokens")
-    cols = ("engine", "context", "batch", "budget_tokens", "rerank_multiple", "prefill_tok_s",
+    cols = ("engine", "implementation", "context", "batch", "budget_tokens", "rerank_multiple",
+            "prefill_tok_s",
             "decode_tok_s", "decode_ms_per_step", "compile_s")
     if not args.json:
         print(" ".join(f"{c:>14}" for c in cols))
@@ -147,7 +149,7 @@ def main_bench_generate(args):
         for row in run(args.model, args.context, args.batch, engines, args.decode,
                        args.budget_tokens, args.threads, log=_log,
                        rerank_multiples=args.rerank_multiple or (None,),
-                       implementation=args.implementation,
+                       implementations=args.implementation or (None,),
                        **rope_overrides(args)):
             row["command"] = args.command_line
             if args.json:
@@ -179,9 +181,10 @@ def add_model_bench_parsers(bench_subparsers):
     b.add_argument("--rerank-multiple", type=number_list(1.0), default=None, metavar="X,Y,...",
                    help="HiSparse candidates per budget page, a row each (default: the "
                         "config's)")
-    b.add_argument("--implementation", choices=("pallas", "cpu", "xla"), default=None,
-                   help="HiSparse's kernels (default: Pallas on a GPU, XLA elsewhere; "
-                        "cpu: the C++ decode kernels, built on first use)")
+    b.add_argument("--implementation", type=choice_list(("pallas", "cpu", "xla")), default=None,
+                   metavar="NAMES", help="HiSparse's kernels, a row each, e.g. xla,cpu "
+                   "(default: Pallas on a GPU, XLA elsewhere; cpu: the C++ decode kernels, "
+                   "built on first use)")
     b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
     b.add_argument("--json", action="store_true", help="one JSON line per row")
     add_rope_flags(b)
