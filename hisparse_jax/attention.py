@@ -622,8 +622,11 @@ def _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw, 
         if cfg.quest_floor_mass < 1 or cfg.rerank_weight == "mass":
             floor["window_lse"] = window_part[1]
         if cfg.quest_floor_mass < 1:
-            pages = candidate_pages(*(a if layer is None else a[layer]
-                                      for a in (int4_k, center, radius)), slots)
+            # A stacked pool holds its e4m3 radii as their uint8 bits: its bounds read
+            # the layer's view (`state`, whose slices XLA fuses into the gathers).
+            src = ((int4_k, center, radius) if layer is None else
+                   (state.int4_k, state.digest_center, state.digest_radius))
+            pages = candidate_pages(*src, slots)
             floor["bound"] = lambda: _bounds(qg, *pages, slots)
         kept, drawn, drawn_logw = rerank(
             cfg, decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale),

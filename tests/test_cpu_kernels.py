@@ -24,31 +24,16 @@ import pytest
 
 from cpu_kernels import build, ops
 from hisparse_jax.config import HiSparseConfig, resolve_implementation
-from pallas_kernels.quant import reference as quant_ref
 from pallas_kernels.sparse_decode import reference as ref
+from tests.test_kernels import DecodeCase as Case
+from tests.test_kernels import make_decode, make_logw
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 
 RTOL, ATOL = 2e-5, 2e-6
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    page: int
-    head_dim: int
-    group: int           # GQA ratio G
-    bf16_len: int        # Tb
-    fp8_len: int         # Tw (0 = empty warm part)
-    cold: int            # K selected pages per (b, h)
-    value_group: int = 32
-    batch: int = 2
-    kv_heads: int = 2
-    pool: int = 12
-    cold_empty: bool = False     # all cold_ids == -1
-    no_valid: bool = False       # bf16 and fp8 slots all invalid
-
-
-CASES = [
+CASES = [  # page, head_dim, GQA ratio, bf16 slots, fp8 slots, cold pages per (b, h)
     Case(16, 64, 3, 144, 384, 31, batch=3, kv_heads=3, pool=40),  # SmolLM2 in a server
     Case(16, 64, 1, 21, 13, 5),
     Case(32, 128, 4, 19, 9, 3),                                    # Llama-3-8B's heads
@@ -63,39 +48,12 @@ CASES = [
 
 
 def make(c: Case, seed=0):
-    """Synthetic attended set in the cache's dtypes (e4m3 digest radii); every
-    masked slot and unused pool page holds NaN (as tests/test_kernels.py's)."""
-    k = list(jax.random.split(jax.random.PRNGKey(seed), 12))
-    b, h, g, d = c.batch, c.kv_heads, c.group, c.head_dim
-    q = jax.random.normal(k[0], (b, h, g, d))
-    bvalid = jax.random.uniform(k[1], (b, c.bf16_len)) < 0.7
-    fvalid = jax.random.uniform(k[2], (b, c.fp8_len)) < 0.7
-    if c.no_valid:
-        bvalid, fvalid = jnp.zeros_like(bvalid), jnp.zeros_like(fvalid)
-    nan4 = lambda x, ok: jnp.where(ok[:, None, :, None], x, jnp.nan)
-    bk = nan4(jax.random.normal(k[3], (b, h, c.bf16_len, d)), bvalid).astype(jnp.bfloat16)
-    bv = nan4(jax.random.normal(k[4], (b, h, c.bf16_len, d)), bvalid).astype(jnp.bfloat16)
-    fk, fks = quant_ref.encode_fp8(jax.random.normal(k[5], (b, h, c.fp8_len, d)) * 2.0)
-    fv, fvs = quant_ref.encode_fp8(jax.random.normal(k[6], (b, h, c.fp8_len, d)))
-    fk, fv = nan4(fk, fvalid).astype(fk.dtype), nan4(fv, fvalid).astype(fv.dtype)
-    fks = jnp.where(fvalid[:, None, :], fks, jnp.nan)
-    fvs = jnp.where(fvalid[:, None, :], fvs, jnp.nan)
-    k4, dc, dr = quant_ref.encode_cold_keys(jax.random.normal(k[7], (h, c.pool, c.page, d)) * 1.5)
-    v4, vs, vz = quant_ref.encode_cold_values(jax.random.normal(k[8], (h, c.pool, c.page, d)),
-                                              c.value_group)
-    unused = (jnp.arange(c.pool) == 0) | (jnp.arange(c.pool) >= c.pool - 2)
-    dc = jnp.where(unused[None, :, None], jnp.nan, dc).astype(jnp.bfloat16)
-    dr = jnp.where(unused[None, :, None], jnp.nan, dr.astype(jnp.float32)).astype(dr.dtype)
-    vs = jnp.where(unused[None, :, None, None], jnp.nan, vs).astype(jnp.bfloat16)
-    vz = jnp.where(unused[None, :, None, None], jnp.nan, vz).astype(jnp.bfloat16)
-    ids = jax.random.randint(k[9], (b, h, c.cold), 1, c.pool - 2)
-    ids = jnp.where(jax.random.uniform(k[10], ids.shape) < 0.3, -1, ids)
-    if c.cold_empty:
-        ids = jnp.full_like(ids, -1)
-    logw = jax.random.uniform(k[11], ids.shape, minval=-1.0, maxval=5.0)
-    logw = jnp.where(ids >= 0, logw, jnp.nan)  # unused entries: NaN
-    return (q, bk, bv, bvalid, fk, fv, fks, fvs, fvalid, k4, v4, vs, vz, dc, dr,
-            ids.astype(jnp.int32)), logw
+    """tests/test_kernels.py's synthetic attended set (NaN in every masked slot and
+    unused pool page), its digest radii in the cache's dtype (e4m3; bf16 there, for
+    Triton), and log weights, NaN on unused entries."""
+    args = list(make_decode(c, seed))
+    args[14] = args[14].astype(jnp.float8_e4m3fn)  # exact: they were e4m3 (or NaN)
+    return tuple(args), jnp.where(args[15] >= 0, make_logw(c), jnp.nan)
 
 
 def close(got, want, atol=ATOL):
