@@ -3,8 +3,8 @@ the pure-jnp reference of the same signature in pallas_kernels/.
 
 XLA:CPU runs the cold pages' attention as thousands of tiny batched products; these
 read each (sequence, KV head)'s pages in one loop (`sparse_decode.cc`). They are
-compiled with the machine's C++ compiler on first use (`build.py`). They are
-named, not the default (`implementation="cpu"`; docs/results.md, "C++ decode
-kernels"). Imports point one way: hisparse_jax -> cpu_kernels -> pallas_kernels
-(the references) -> jax.
+compiled with the machine's C++ compiler on first use (`build.py`) and are the
+default on a CPU (`implementation=None` -> "cpu"); without a compiler the default
+is the XLA path. Imports point one way: hisparse_jax -> cpu_kernels ->
+pallas_kernels (the references) -> jax.
 """

@@ -1,9 +1,9 @@
 """Attention entry points: page selection, sparse decode, dense references, prefill.
 
-`implementation=None | "xla" | "pallas" | "cpu"` picks the kernels (None: Pallas on
-a GPU when the kernels take the cache's shapes, XLA otherwise; "cpu", the C++
-kernels of cpu_kernels/, when named: `resolve_implementation`). All compute the
-same function; the XLA path is the reference.
+`implementation=None | "xla" | "pallas" | "cpu"` picks the kernels (None: Pallas
+on a GPU, the C++ kernels of cpu_kernels/ on the CPU, where each takes the cache's
+shapes, XLA otherwise: `resolve_implementation`). All compute the same function;
+the XLA path is the reference.
 """
 
 from __future__ import annotations

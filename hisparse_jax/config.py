@@ -24,26 +24,30 @@ def default_budget_tokens(context: int, page_size: int = 16) -> int:
 
 def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) -> str:
     """None -> "pallas" on a GPU when the kernels take `cfg`'s shapes (head_dim 96
-    does not), "xla" otherwise; anything else must be named, and fit: "pallas"
-    `cfg`, "cpu" (the C++ decode kernels, `cpu_kernels/`) `cfg` and a CPU backend
-    with a C++ compiler. ("cpu" is not the default yet: docs/results.md, "C++
-    decode kernels".)"""
+    does not); on the CPU, "cpu" (the C++ decode kernels, `cpu_kernels/`) when they
+    build here and take `cfg`'s shapes; "xla" otherwise. A named implementation
+    must be one of IMPLEMENTATIONS and fit: "pallas" `cfg`, "cpu" `cfg` and a CPU
+    backend with a C++ compiler."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     import jax
 
     from pallas_kernels.common import unsupported
-    why = None if cfg is None else unsupported(cfg.head_dim)
-    if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" and not why else "xla"
-    if implementation == "pallas" and why:
-        raise ValueError(f"the Pallas kernels cannot hold this cache: {why}; use "
-                         f"implementation='xla'")
-    if implementation == "cpu":
+    backend = jax.default_backend()
+    if implementation in (None, "pallas"):
+        why = None if cfg is None else unsupported(cfg.head_dim)
+        if implementation is None and backend == "gpu":
+            return "xla" if why else "pallas"
+        if implementation == "pallas" and why:
+            raise ValueError(f"the Pallas kernels cannot hold this cache: {why}; use "
+                             f"implementation='xla'")
+    if implementation in (None, "cpu"):
         from cpu_kernels import build
-        why = (f"the CPU kernels run on the CPU backend, not {jax.default_backend()!r}"
-               if jax.default_backend() != "cpu" else build.unavailable() or
+        why = (f"the CPU kernels run on the CPU backend, not {backend!r}" if backend != "cpu"
+               else build.unavailable() or
                (None if cfg is None else build.unsupported(cfg.head_dim, cfg.gqa_group)))
+        if implementation is None:
+            return "xla" if why else "cpu"
         if why:
             raise ValueError(f"implementation='cpu': {why}; use implementation='xla'")
     return implementation

@@ -42,7 +42,9 @@ def test_derived_sizes():
 
 
 @pytest.mark.parametrize("backend,d,implementation,want", [
-    ("cpu", 128, None, "xla"), ("gpu", 128, None, "pallas"), ("gpu", 64, None, "pallas"),
+    ("cpu", 128, None, "cpu"),  # the C++ kernels, where they build (cpu_kernels/)
+    ("cpu", 128, "xla", "xla"), ("tpu", 128, None, "xla"),
+    ("gpu", 128, None, "pallas"), ("gpu", 64, None, "pallas"),
     ("gpu", 96, None, "xla"),  # the kernels need a power of two: XLA instead
     ("gpu", 16, None, "xla"),  # ... and at least 32
     ("gpu", 96, "xla", "xla"), ("cpu", 128, "pallas", "pallas"),

@@ -198,11 +198,12 @@ def test_decode_attention_cpu_matches_xla(budget, rerank):
     np.testing.assert_allclose(out["cpu"][0], out["xla"][0], rtol=RTOL, atol=1e-5)
 
 
-def test_named_not_default_and_checked():
-    assert resolve_implementation(None, HiSparseConfig()) == "xla"
-    assert resolve_implementation("cpu", HiSparseConfig()) == "cpu"
+def test_the_default_on_a_cpu_and_names_are_checked():
+    assert resolve_implementation(None, HiSparseConfig()) == "cpu"
+    assert resolve_implementation("xla", HiSparseConfig()) == "xla"
     with pytest.raises(ValueError, match="at most 16 query heads"):
         resolve_implementation("cpu", HiSparseConfig(num_kv_heads=1, gqa_group=32))
+    assert resolve_implementation(None, HiSparseConfig(num_kv_heads=1, gqa_group=32)) == "xla"
 
 
 def test_the_model_decodes_the_same_tokens_on_the_kernels():
@@ -242,13 +243,14 @@ def test_built_once_and_reused():
     assert path.stat().st_mtime_ns == mtime  # loaded, not rebuilt
 
 
-def test_without_a_compiler_naming_the_kernels_says_why(tmp_path):
+def test_without_a_compiler_the_default_is_xla_and_naming_the_kernels_says_why(tmp_path):
     code = """if True:
         import jax
         from cpu_kernels import build
         from hisparse_jax.config import HiSparseConfig, resolve_implementation
         why = build.unavailable()
         assert why and "no C++ compiler" in why, why
+        assert resolve_implementation(None, HiSparseConfig()) == "xla"
         try:
             resolve_implementation("cpu", HiSparseConfig())
         except ValueError as e:

@@ -81,8 +81,8 @@ def build_parser() -> Parser:
                         "KV head (multiples of the page size): the budget this attention "
                         "needs, whatever the selection")
     e.add_argument("--implementation", choices=("auto", "xla", "pallas", "cpu"), default="auto",
-                   help="kernels: auto = Pallas on a GPU when they take the shapes, else "
-                        "XLA; cpu = the C++ decode kernels")
+                   help="kernels: auto = Pallas on a GPU, the C++ decode kernels on a "
+                        "CPU, where they take the shapes; else XLA")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=commands.cmd_eval)
 

@@ -183,8 +183,8 @@ def add_model_bench_parsers(bench_subparsers):
                         "config's)")
     b.add_argument("--implementation", type=choice_list(("pallas", "cpu", "xla")), default=None,
                    metavar="NAMES", help="HiSparse's kernels, a row each, e.g. xla,cpu "
-                   "(default: Pallas on a GPU, XLA elsewhere; cpu: the C++ decode kernels, "
-                   "built on first use)")
+                   "(default: Pallas on a GPU, the C++ decode kernels on a CPU where they "
+                   "build, else XLA)")
     b.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads")
     b.add_argument("--json", action="store_true", help="one JSON line per row")
     add_rope_flags(b)

@@ -192,8 +192,8 @@ def add_serving_parsers(subparsers):
                         "turn NaN after N tokens)")
     s.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
     s.add_argument("--implementation", choices=("pallas", "cpu", "xla"), default=None,
-                   help="HiSparse's kernels (default: Pallas on a GPU, XLA elsewhere; "
-                        "cpu: the C++ decode kernels, built on first use)")
+                   help="HiSparse's kernels (default: Pallas on a GPU, the C++ decode "
+                        "kernels on a CPU where they build, else XLA)")
     s.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
                    help="cold tokens attended per KV head (multiple of 16), or 'all' "
                         "(default: a 16th of --max-context, at least 512, at most 2048)")
