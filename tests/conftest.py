@@ -1,10 +1,10 @@
 """Shared fixtures.
 
 `implementation`: library tests that build caches and run attention or the
-encoders take it and pass it to HiSparseCache / evaluate, so they run under both
-implementations: "xla" (the references) and "pallas" (the Pallas kernels, in
-interpret mode on a CPU; compiled Triton on a GPU). Test ids start with [xla or
-[pallas. Tests of large cases (1M arithmetic, byte accounting without compute,
+encoders take it and pass it to HiSparseCache / evaluate, so they run under every
+implementation: "xla" (the references), "pallas" (the Pallas kernels, in
+interpret mode on a CPU; compiled Triton on a GPU) and "cpu" (the C++ decode
+kernels). Test ids start with [xla, [pallas or [cpu. Tests of large cases (1M arithmetic, byte accounting without compute,
 quality at 32K/128K) do not take it and stay on the default implementation.
 """
 
@@ -52,6 +52,7 @@ def pytest_configure(config):
 @pytest.fixture(params=[
     pytest.param("xla", id="xla"),
     pytest.param("pallas", id="pallas", marks=pytest.mark.filterwarnings(PALLAS_WARNING)),
+    pytest.param("cpu", id="cpu"),
 ])
 def implementation(request) -> str:
     """The attention/encoder implementation a cache is built with."""

@@ -87,7 +87,7 @@ def test_forced_collision_is_detected_and_not_reused(implementation):
 # pages a document is 342 (xla) / 92 (pallas), big 311 / 80: the pinned document
 # and another one leave 16 / 4 of the pool free, so big must evict the unpinned
 # one, and then the other document no longer fits.
-PREWARM = {"xla": (700, 6000, 5500), "pallas": (188, 2000, 1800)}
+PREWARM = {"xla": (700, 6000, 5500), "pallas": (188, 2000, 1800), "cpu": (700, 6000, 5500)}
 
 
 def test_prewarm_is_reused_and_unpinned_prefixes_are_evicted_first(implementation):
