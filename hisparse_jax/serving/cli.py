@@ -15,7 +15,7 @@ from hisparse_jax.cli.args import (
     number,
     positive_int,
 )
-from hisparse_jax.config import default_budget_tokens
+from hisparse_jax.config import default_budget_tokens, resolve_implementation
 
 log = logging.getLogger("hisparse.serve")
 
@@ -70,7 +70,9 @@ def build_state(cfg):
         if cfg.fault_injection:
             log.warning("%s: fault injection is ON (requests may poison themselves "
                         "with fault_nan_kv_after): for tests only", name)
-        log.info("%s: compiling (%s attention) ...", name, cfg.attention)
+        kernels = ("" if engine.cache_cfg is None else
+                   f", {resolve_implementation(engine.implementation, engine.cache_cfg)} kernels")
+        log.info("%s: compiling (%s attention%s) ...", name, cfg.attention, kernels)
         log.info("%s: compiled in %.1f s", name, engine.warmup())
         bound = metrics.bind(name, offload=engine.offload)
         sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
