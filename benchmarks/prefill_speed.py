@@ -1,7 +1,9 @@
-"""Whole-model prefill time with today's exact causal attention against the layout
-it had before (`prefill_attention_variants.old_layout`, bit-identical output),
-interleaved in one process: the real model's 30 layers over the passkey filler (as `hisparse bench generate`), the
-cache fill left out (it is the same for both).
+"""Whole-model prefill time by exact causal attention, interleaved in one process:
+the AMX kernel (`cpu_kernels/causal_attention.cc`, the default where the CPU has
+AMX-BF16), XLA's blocks (`attention.causal_prefill_attention`), and XLA's blocks in
+the layout they had before (`prefill_attention_variants.old_layout`, bit-identical
+to XLA's). The real model's 30 layers over the passkey filler (as `hisparse bench
+generate`), the cache fill left out (it is the same for all).
 
     python benchmarks/prefill_speed.py --tokens 2048 7680
 """
@@ -18,11 +20,14 @@ import numpy as np
 from flax import nnx
 from prefill_attention_variants import old_layout
 
+from cpu_kernels import build
+from cpu_kernels import ops as cpu_ops
 from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.models.bench import prompt
 from hisparse_jax.models.registry import load
 
-ATTENTIONS = {"current": causal_prefill_attention, "old_layout": old_layout}
+ATTENTIONS = {"amx_kernel": lambda q, k, v: cpu_ops.causal_attention(q, k, v, 0),
+              "xla": causal_prefill_attention, "old_layout": old_layout}
 
 
 def forward(model, attention):
@@ -45,13 +50,17 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 7680],
                    help="prompt lengths (multiples of 512)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention", nargs="+", choices=list(ATTENTIONS),
+                   default=["amx_kernel", "xla"], help="the first is the baseline of "
+                   "speedup and max_logit_diff (amx_kernel is left out without AMX)")
     args = p.parse_args(argv)
     model, tok = load(args.model)
     for n in args.tokens:
         if n % 512:
             p.error(f"--tokens {n}: not a multiple of 512")
         ids = jnp.asarray(prompt(tok, model.cfg.vocab_size, n), jnp.int32)
-        runs = {name: forward(model, f) for name, f in ATTENTIONS.items()}
+        names = [a for a in args.attention if a != "amx_kernel" or not build.prefill_unavailable()]
+        runs = {name: forward(model, ATTENTIONS[name]) for name in names}
         logits = {name: np.asarray(f(ids)) for name, f in runs.items()}  # compile
         times = {name: [] for name in runs}
         for _ in range(args.repeats):  # interleaved: the machine's load drifts
@@ -62,8 +71,10 @@ def main(argv=None):
         row = {"model": args.model, "tokens": n,
                **{f"{name}_s": round(min(t), 2) for name, t in times.items()},
                **{f"{name}_tok_s": round(n / min(t), 1) for name, t in times.items()},
-               "speedup": round(min(times["old_layout"]) / min(times["current"]), 2),
-               "max_logit_diff": float(np.abs(logits["current"] - logits["old_layout"]).max())}
+               **{f"speedup_over_{name}": round(min(times[name]) / min(times[names[0]]), 2)
+                  for name in names[1:]},
+               **{f"max_logit_diff_{name}": float(np.abs(logits[name] - logits[names[0]]).max())
+                  for name in names[1:]}}
         print(json.dumps(row), flush=True)
 
 

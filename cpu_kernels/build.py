@@ -1,4 +1,4 @@
-"""Compile `sparse_decode.cc` once per machine, on first use, and register its
+"""Compile the kernels (`sparse_decode.cc`, `causal_attention.cc`) once per machine, on first use, and register its
 handlers with XLA.
 
 The library goes to `$HISPARSE_HOME/cpu_kernels/<key>/` (default
@@ -23,15 +23,19 @@ import threading
 import jax
 import jaxlib
 
-SOURCE = pathlib.Path(__file__).with_name("sparse_decode.cc")
+HERE = pathlib.Path(__file__).parent
+SOURCES = (HERE / "sparse_decode.cc", HERE / "causal_attention.cc")
+HEADERS = (HERE / "common.h",)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # FFI target name -> the handler's symbol in the library
 TARGETS = {"hisparse_cold_logits": "HisparseColdLogits",
            "hisparse_attend_listed": "HisparseAttendListed",
-           "hisparse_window": "HisparseWindow"}
+           "hisparse_window": "HisparseWindow",
+           "hisparse_causal_attention": "HisparseCausalAttention"}
 
 _lock = threading.Lock()
 _why_not: list[str | None] = []  # [] = not tried yet; [None] = loaded; [reason]
+_amx: list[bool] = []  # the causal-attention kernel runs here (set by _load)
 
 
 def _home() -> pathlib.Path:
@@ -51,7 +55,8 @@ def library_path(cxx: str) -> pathlib.Path:
     """Where the library for this source, compiler, jaxlib and CPU lives."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS),
+                                    " ".join(FLAGS), version,
                                     jaxlib.__version__, _cpu_features()]).encode())
     return _home() / "cpu_kernels" / key.hexdigest()[:16] / "libhisparse_cpu.so"
 
@@ -61,7 +66,7 @@ def _compile(cxx: str, out: pathlib.Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
@@ -82,6 +87,7 @@ def _load() -> None:
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
+    _amx.append(bool(lib.HisparseAmxReady()))
 
 
 def unavailable() -> str | None:
@@ -95,6 +101,15 @@ def unavailable() -> str | None:
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _why_not.append(f"the CPU kernels could not be built: {e}")
         return _why_not[0]
+
+
+def prefill_unavailable() -> str | None:
+    """None where the prefill's causal-attention kernel runs (it needs AMX-BF16:
+    Intel Xeon since Sapphire Rapids), else why not."""
+    why = unavailable()
+    if why:
+        return why
+    return None if _amx[0] else "this CPU (or its kernel) gives no AMX-BF16 tiles"
 
 
 def unsupported(head_dim: int, group: int) -> str | None:

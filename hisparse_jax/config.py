@@ -53,6 +53,20 @@ def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) ->
     return implementation
 
 
+def resolve_prefill(implementation, head_dim: int) -> str:
+    """The exact prefill attention's implementation: "cpu", the AMX kernel
+    (cpu_kernels/causal_attention.cc), where `implementation` is None or "cpu", the
+    backend is the CPU, the CPU has AMX-BF16 and head_dim is a multiple of 64 (at
+    most 256); "xla" (`attention.causal_prefill_attention`) otherwise."""
+    if implementation not in (None, "cpu"):
+        return "xla"
+    import jax
+    if jax.default_backend() != "cpu" or head_dim % 64 or head_dim > 256:
+        return "xla"
+    from cpu_kernels import build
+    return "xla" if build.prefill_unavailable() else "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class HiSparseConfig:
     """Shapes and tier sizes of one layer's cache. All sizes are in tokens.

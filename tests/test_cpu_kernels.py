@@ -251,6 +251,9 @@ def test_without_a_compiler_the_default_is_xla_and_naming_the_kernels_says_why(t
         why = build.unavailable()
         assert why and "no C++ compiler" in why, why
         assert resolve_implementation(None, HiSparseConfig()) == "xla"
+        assert "no C++ compiler" in build.prefill_unavailable()
+        from hisparse_jax.config import resolve_prefill
+        assert resolve_prefill(None, 64) == "xla"
         try:
             resolve_implementation("cpu", HiSparseConfig())
         except ValueError as e:

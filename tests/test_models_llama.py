@@ -163,8 +163,14 @@ def test_forward_matches_reference(heads, kv, tie, bias):
     ids = [7, 120, 33, 250, 4, 99]
     ours = _all_logits(model, ids)
     ref = reference_logits(cfg, _rounded(hf), ids)
-    assert np.abs(ours - ref).max() < 0.02 * np.abs(ref).max()
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    tol = 0.02 * np.abs(ref).max()
+    assert np.abs(ours - ref).max() < tol
+    # the same greedy token wherever the reference's top two are further apart than
+    # the tolerance (seed 5's position 3 is a tie to 8e-4: either token is right)
+    top2 = np.sort(ref, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * tol
+    assert clear.sum() >= len(ids) // 2
+    assert (ours.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
 # ---------------------------------------------------------------- engine

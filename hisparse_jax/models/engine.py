@@ -42,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_kernels import ops as cpu_ops
 from hisparse_jax import attention as att
 from hisparse_jax import layout, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
-from hisparse_jax.config import HiSparseConfig, preset
+from hisparse_jax.config import HiSparseConfig, preset, resolve_prefill
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import (
     GREEDY,
@@ -113,10 +114,27 @@ def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
     return jax.vmap(lambda s, p: st.stored(f(cfg, st.live(cfg, s), p)))(caches, pages)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "offload"),
+def _exact_attention(q, k, v, start, chunk: int, prefill: str):
+    """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
+    over k, v [S, Hkv, D] (bf16) -> [C, Hq, D] float32, on the AMX kernel (prefill
+    "cpu", `config.resolve_prefill`) or in XLA (`attention.causal_query_block`, start
+    a multiple of `chunk`). Each query's output is the same whatever block it is
+    computed in, so a prompt prefilled block by block gets the numbers of one program."""
+    if prefill == "cpu":
+        return cpu_ops.causal_attention(q, k, v, start)
+    if isinstance(start, int):  # a whole prompt (from 0)
+        return att.causal_prefill_attention(q, k, v, chunk=chunk)
+    kv = lambda j: tuple(jax.lax.dynamic_slice_in_dim(s, j * chunk, chunk).astype(jnp.float32)
+                         .transpose(1, 0, 2) for s in (k, v))
+    out = att.causal_query_block(att.query_rows(q, k.shape[1]), kv, start // chunk, chunk)
+    return att.query_rows_back(out, chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "offload",
+                                             "prefill"),
                    donate_argnames="caches")
 def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
-             implementation, offload=False):
+             implementation, offload=False, prefill="xla"):
     """One slot's prompt ids [Tp] (the first `length` real, the rest padding) ->
     (first generated token [], its logits [V], caches). shared [L, Tp / page]:
     pool pages the prompt references instead of storing (-1: none). offload: the
@@ -134,7 +152,7 @@ def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
         # decode step gives what a prefill one token longer would (a bf16 rounding
         # of K/V alone moves SmolLM2's logits by up to 0.3).
         k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-        out = att.causal_prefill_attention(q, k, v, chunk=chunk)
+        out = _exact_attention(q, k, v, 0, chunk, prefill)
         if hcfg is None:  # dense: [L, B, Hkv, S, D] pair; write the first min(T, S) tokens
             n = min(t, caches[0].shape[3])
             put = lambda c, x: jax.lax.dynamic_update_slice(
@@ -193,21 +211,8 @@ def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offloa
     return (caches, pool_ids, codes) if offload else caches
 
 
-def _chunk_attention(q, ks, vs, start):
-    """Exact causal attention of one query block q [C, Hq, D] at positions
-    start..start+C (start a multiple of C) over the staged K/V [S, Hkv, D] (bf16,
-    this block's already written): `causal_prefill_attention`'s query block
-    start // C, so a prompt prefilled block by block gets the same numbers as in
-    one program."""
-    c = q.shape[0]
-    kv = lambda j: tuple(jax.lax.dynamic_slice_in_dim(s, j * c, c).astype(jnp.float32)
-                         .transpose(1, 0, 2) for s in (ks, vs))
-    out = att.causal_query_block(att.query_rows(q, ks.shape[1]), kv, start // c, c)
-    return att.query_rows_back(out, c)
-
-
-@functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="stage")
-def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill"), donate_argnames="stage")
+def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, prefill="xla"):
     """One block of a prompt: ids [C] at positions start..start+C -> (the token
     sampled after row `last` [], its logits [V], stage). stage: (K, V) [L, S, Hkv,
     D] bf16, the prompt's K/V so far; this block's are written into it."""
@@ -217,7 +222,7 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef):
     def attend(stage, layer, q, k, v):
         ks, vs = (jax.lax.dynamic_update_slice(s, x.astype(jnp.bfloat16)[None], (layer, start, 0, 0))
                   for s, x in zip(stage, (k, v)))
-        return _chunk_attention(q, ks[layer], vs[layer], start), (ks, vs)
+        return _exact_attention(q, ks[layer], vs[layer], start, c, prefill), (ks, vs)
 
     x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend)
     logits = model.logits(x[last][None])
@@ -363,6 +368,7 @@ class Engine:
         self.attention = attention
         self.max_seqs, self.max_context = max_seqs, max_context
         self.implementation = implementation
+        self.prefill_implementation = resolve_prefill(implementation, mc.head_dim)
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
         if attention == "hisparse":
@@ -623,7 +629,8 @@ class Engine:
         shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
         tok, self.logits, self.caches, *new = _prefill(
             self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            shared, self._samp(slot), **self._static(), offload=self.offload)
+            shared, self._samp(slot), **self._static(), offload=self.offload,
+            prefill=self.prefill_implementation)
         if new:
             self._store_cold(*new)
         self._end_fill(slot, ids, need)
@@ -684,7 +691,8 @@ class Engine:
             self._set_sampling(slot, sampling, row)
         tok, self.logits, self._stage = _prefill_chunk(
             self.params, self._stage, jnp.asarray(block), jnp.int32(start),
-            jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef)
+            jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef,
+            prefill=self.prefill_implementation)
         self._staged = start + len(real)
         if self._staged < n:
             return None
@@ -981,12 +989,12 @@ class Engine:
         shared = None if self.cache_cfg is None else self._shared(-1, n)
         _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
                        jnp.int32(1), shared, samp, **self._static(),
-                       offload=self.offload).compile()
+                       offload=self.offload, prefill=self.prefill_implementation).compile()
         if n > PREFILL_CHUNK:
             self._make_stage()
             _prefill_chunk.lower(self.params, self._stage, jnp.zeros(PREFILL_CHUNK, jnp.int32),
-                                 jnp.int32(0), jnp.int32(0), samp,
-                                 graphdef=self.graphdef).compile()
+                                 jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
+                                 prefill=self.prefill_implementation).compile()
             kv = [x[:, :n] for x in self._stage]
             if self.cache_cfg is None:
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *self._stage).compile()

@@ -1,0 +1,293 @@
+// Exact causal attention for a prompt's prefill on the CPU, on Intel AMX tiles,
+// as an XLA FFI handler.
+//
+// XLA:CPU runs the prefill's attention as float32 products of whole blocks,
+// writing every score out and reading it back for the softmax. This kernel keeps
+// a block of 64 keys x 16 queries in cache and runs both products on AMX's bf16
+// tiles, keeping float32's precision by splitting: the scaled queries into three
+// bf16 terms (hi + mid + lo, float32's 24 bits) and the probabilities into two
+// (16 bits); keys and values are bf16 already, so every product is exact and
+// sums in float32.
+//
+// Rows are keys and lanes are queries (S^T = K Q^T, O^T = V^T P^T): the online
+// softmax runs down the columns with no horizontal sums, and a query's numbers
+// depend on its own column alone, so it gets the same output in whatever tile
+// or call it is computed (a prompt prefilled block by block or in one program).
+//
+// Same function as cpu_kernels/reference.py's `causal_attention`.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HISPARSE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HISPARSE_AMX 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace hisparse_cpu;  // NOLINT
+
+constexpr int64_t kKeyBlock = 64;  // keys per online-softmax step: four 16-key tiles
+constexpr int64_t kMaxDim = 256;
+
+#if HISPARSE_AMX
+// Linux gives a process AMX's tile state only when asked (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); the grant covers all its threads.
+bool AmxReady() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// Eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 the A operand, 5-7 B.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// float32 -> bf16 bits, rounded to nearest even (NaN stays NaN).
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x = hi + mid + lo, each bf16: 24 bits of x's mantissa.
+inline void Split3(float x, uint16_t out[3]) {
+  out[0] = ToBf16(x);
+  const float r = x - Bf16(out[0]);
+  out[1] = ToBf16(r);
+  out[2] = ToBf16(r - Bf16(out[1]));
+}
+
+// 16 floats -> bf16 bits (RNE), and those bf16 back as floats.
+inline __m256i RoundBf16(__m512 x, __m512* back) {
+  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  *back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return bits;
+}
+
+struct Interleave {
+  alignas(64) int16_t idx[32];
+  Interleave() {
+    for (int c = 0; c < 16; ++c) idx[2 * c] = c, idx[2 * c + 1] = 16 + c;
+  }
+};
+const Interleave kInterleave;
+
+// Two keys' 16 queries of bf16 bits -> one VNNI row: (a_c, b_c) pairs by query.
+inline void PairRow(__m256i a, __m256i b, uint32_t* row) {
+  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  _mm512_store_si512(row, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave.idx), ab));
+}
+
+struct Shapes {
+  int64_t T, Hq, Hkv, D, S, start, kend, nkb;
+};
+
+// One query head's 16 queries q0.. over key blocks 0.. (causal): O^T in acc.
+void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16_t* vh,
+               int64_t h, int64_t q0, float sm_scale, float* out) {
+  const int64_t D = s.D, nq = std::min<int64_t>(16, s.T - q0);
+  alignas(64) int32_t pos[16];  // each lane's last key; padding lanes copy the last query
+  for (int64_t c = 0; c < 16; ++c)
+    pos[c] = static_cast<int32_t>(std::min(s.start + q0 + std::min(c, nq - 1), s.kend - 1));
+  // Q^T as B tiles: [split][32 dims][16 dim pairs][16 queries] pairs of bf16
+  alignas(64) uint32_t qw[3][kMaxDim / 32][16][16];
+  for (int64_t c = 0; c < 16; ++c) {
+    const float* qr = c < nq ? q + ((q0 + c) * s.Hq + h) * D : nullptr;
+    for (int64_t d = 0; d < D; d += 2) {
+      uint16_t a[3], b[3];
+      Split3(qr ? qr[d] * sm_scale : 0.f, a);
+      Split3(qr ? qr[d + 1] * sm_scale : 0.f, b);
+      for (int t = 0; t < 3; ++t)
+        qw[t][d / 32][(d % 32) / 2][c] = a[t] | (static_cast<uint32_t>(b[t]) << 16);
+    }
+  }
+  alignas(64) float sc[kKeyBlock][16];    // S^T of a key block
+  alignas(64) uint32_t pw[2][2][16][16];  // P^T as B tiles: [hi/lo][32 keys][key pair][query]
+  alignas(64) float acc[kMaxDim][16];     // O^T
+  std::memset(acc, 0, sizeof(float) * 16 * D);
+  const __m512i posv = _mm512_load_si512(pos);
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  const int64_t blocks = pos[15] / kKeyBlock + 1;
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k0 = kb * kKeyBlock;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t part = 0; part < D / 32; ++part) {
+      _tile_loadd(5, qw[0][part], 64);
+      _tile_loadd(6, qw[1][part], 64);
+      _tile_loadd(7, qw[2][part], 64);
+      const uint16_t* kr = kh + k0 * D + part * 32;
+#define HISPARSE_QK(t)                              \
+  _tile_loadd(4, kr + (t) * 16 * D, 2 * D);         \
+  _tile_dpbf16ps(t, 4, 5);                          \
+  _tile_dpbf16ps(t, 4, 6);                          \
+  _tile_dpbf16ps(t, 4, 7);
+      HISPARSE_QK(0) HISPARSE_QK(1) HISPARSE_QK(2) HISPARSE_QK(3)
+#undef HISPARSE_QK
+    }
+    _tile_stored(0, sc[0], 64);
+    _tile_stored(1, sc[16], 64);
+    _tile_stored(2, sc[32], 64);
+    _tile_stored(3, sc[48], 64);
+    // online softmax down the columns
+    __m512 mx = m;
+    const bool diagonal = k0 + kKeyBlock - 1 > pos[0];
+    for (int64_t r = 0; r < kKeyBlock; ++r) {
+      __m512 x = _mm512_load_ps(sc[r]);
+      if (diagonal) {
+        const __mmask16 future = _mm512_cmpgt_epi32_mask(
+            _mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
+        x = _mm512_mask_mov_ps(x, future, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+        _mm512_store_ps(sc[r], x);
+      }
+      mx = _mm512_max_ps(mx, x);
+    }
+    const __m512 corr = Exp16(_mm512_sub_ps(m, mx));
+    m = mx;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t r = 0; r < kKeyBlock; r += 2) {
+      const __m512 p0 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
+      const __m512 p1 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
+      sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+      __m512 h0, h1, unused;
+      const __m256i hi0 = RoundBf16(p0, &h0), hi1 = RoundBf16(p1, &h1);
+      const __m256i lo0 = RoundBf16(_mm512_sub_ps(p0, h0), &unused);
+      const __m256i lo1 = RoundBf16(_mm512_sub_ps(p1, h1), &unused);
+      PairRow(hi0, hi1, pw[0][r / 32][(r % 32) / 2]);
+      PairRow(lo0, lo1, pw[1][r / 32][(r % 32) / 2]);
+    }
+    l = _mm512_add_ps(_mm512_mul_ps(l, corr), sum);
+    for (int64_t dc = 0; dc < D; dc += 64) {
+      for (int64_t d = dc; d < dc + 64; ++d)
+        _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), corr));
+      _tile_loadd(0, acc[dc], 64);
+      _tile_loadd(1, acc[dc + 16], 64);
+      _tile_loadd(2, acc[dc + 32], 64);
+      _tile_loadd(3, acc[dc + 48], 64);
+      for (int64_t half = 0; half < 2; ++half) {
+        _tile_loadd(5, pw[0][half], 64);
+        _tile_loadd(6, pw[1][half], 64);
+        const uint16_t* vb = vh + ((kb * 2 + half) * D + dc) * 32;
+#define HISPARSE_PV(t)                      \
+  _tile_loadd(4, vb + (t) * 16 * 32, 64);   \
+  _tile_dpbf16ps(t, 4, 5);                  \
+  _tile_dpbf16ps(t, 4, 6);
+        HISPARSE_PV(0) HISPARSE_PV(1) HISPARSE_PV(2) HISPARSE_PV(3)
+#undef HISPARSE_PV
+      }
+      _tile_stored(0, acc[dc], 64);
+      _tile_stored(1, acc[dc + 16], 64);
+      _tile_stored(2, acc[dc + 32], 64);
+      _tile_stored(3, acc[dc + 48], 64);
+    }
+  }
+  _tile_release();
+  alignas(64) float lsum[16];
+  _mm512_store_ps(lsum, l);
+  for (int64_t c = 0; c < nq; ++c) {
+    float* o = out + ((q0 + c) * s.Hq + h) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d][c] / lsum[c];
+  }
+}
+#endif  // HISPARSE_AMX
+
+// q [T,Hq,D] f32 (query i at position start+i); k, v [S,Hkv,D] bf16; start s32[]
+// -> out [T,Hq,D] f32: softmax(sm_scale q.k) v over keys 0..min(start+i, S-1).
+ffi::Error CausalAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+                               ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
+                               float sm_scale) {
+#if !HISPARSE_AMX
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "hisparse causal_attention: built for a CPU without AMX-BF16");
+#else
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  auto vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("hisparse causal_attention: ranks or k/v shapes");
+  Shapes s{qd[0], qd[1], kd[1], qd[2], kd[0], std::max<int64_t>(start.typed_data()[0], 0), 0, 0};
+  if (s.D % 64 || s.D > kMaxDim || kd[2] != s.D || s.Hkv == 0 || s.Hq % s.Hkv || s.S == 0)
+    return ffi::Error::InvalidArgument("hisparse causal_attention: shapes");
+  if (!AmxReady())
+    return ffi::Error(ffi::ErrorCode::kUnavailable,
+                      "hisparse causal_attention: the kernel refused AMX's tile state");
+  if (s.T == 0) return ffi::Error::Success();
+  s.kend = std::min(s.S, s.start + s.T);  // the keys any query sees
+  s.nkb = (s.kend + kKeyBlock - 1) / kKeyBlock;
+  const int64_t D = s.D, keys = s.nkb * kKeyBlock;
+  // Each KV head's keys [keys, D] and values transposed by 32 keys [keys / 32, D, 32],
+  // zero past kend (never read as garbage by the tiles)
+  std::vector<uint16_t> kp(s.Hkv * keys * D), vt(s.Hkv * keys * D);
+  const uint16_t* kin = reinterpret_cast<const uint16_t*>(k.typed_data());
+  const uint16_t* vin = reinterpret_cast<const uint16_t*>(v.typed_data());
+  ParallelFor(pool, s.Hkv * s.nkb, [&](int64_t u) {
+    const int64_t hk = u / s.nkb, j0 = (u % s.nkb) * kKeyBlock;
+    for (int64_t j = j0; j < j0 + kKeyBlock; ++j) {
+      uint16_t* kdst = kp.data() + (hk * keys + j) * D;
+      uint16_t* vdst = vt.data() + (hk * keys + j / 32 * 32) * D + j % 32;
+      if (j < s.kend) {
+        const int64_t at = (j * s.Hkv + hk) * D;
+        std::memcpy(kdst, kin + at, sizeof(uint16_t) * D);
+        for (int64_t d = 0; d < D; ++d) vdst[d * 32] = vin[at + d];
+      } else {
+        std::memset(kdst, 0, sizeof(uint16_t) * D);
+        for (int64_t d = 0; d < D; ++d) vdst[d * 32] = 0;
+      }
+    }
+  });
+  const int64_t tiles = (s.T + 15) / 16, group = s.Hq / s.Hkv;
+  ParallelFor(pool, s.Hq * tiles, [&](int64_t u) {
+    const int64_t tile = tiles - 1 - u / s.Hq, h = u % s.Hq;  // the longest first
+    const int64_t hk = h / group;
+    QueryTile(s, q.typed_data(), kp.data() + hk * keys * D, vt.data() + hk * keys * D, h,
+              tile * 16, sm_scale, out->typed_data());
+  });
+  return ffi::Error::Success();
+#endif
+}
+
+}  // namespace
+
+// 1 where the causal-attention kernel runs here: built with AMX-BF16, and the
+// kernel (Linux) grants the process AMX's tile state.
+extern "C" int HisparseAmxReady() {
+#if HISPARSE_AMX
+  return AmxReady() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseCausalAttention, CausalAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale"));
