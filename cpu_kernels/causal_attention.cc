@@ -152,20 +152,22 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     _tile_stored(2, sc[32], 64);
     _tile_stored(3, sc[48], 64);
     // online softmax down the columns
-    __m512 mx = m;
-    const bool diagonal = k0 + kKeyBlock - 1 > pos[0];
-    for (int64_t r = 0; r < kKeyBlock; ++r) {
-      __m512 x = _mm512_load_ps(sc[r]);
-      if (diagonal) {
+    if (k0 + kKeyBlock - 1 > pos[0]) {  // the diagonal: hide each query's future keys
+      for (int64_t r = 0; r < kKeyBlock; ++r) {
         const __mmask16 future = _mm512_cmpgt_epi32_mask(
             _mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
-        x = _mm512_mask_mov_ps(x, future, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
-        _mm512_store_ps(sc[r], x);
+        _mm512_mask_store_ps(sc[r], future,
+                             _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
       }
-      mx = _mm512_max_ps(mx, x);
     }
-    const __m512 corr = Exp16(_mm512_sub_ps(m, mx));
-    m = mx;
+    __m512 mx[4] = {m, m, m, m};  // four chains: max is exact in any order
+    for (int64_t r = 0; r < kKeyBlock; r += 4)
+      for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
+    const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    const __m512 corr = Exp16(_mm512_sub_ps(m, m_new));
+    // once a query's maximum has settled (most blocks), its corr is exactly 1
+    const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
+    m = m_new;
     __m512 sum = _mm512_setzero_ps();
     for (int64_t r = 0; r < kKeyBlock; r += 2) {
       const __m512 p0 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
@@ -180,8 +182,9 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     }
     l = _mm512_add_ps(_mm512_mul_ps(l, corr), sum);
     for (int64_t dc = 0; dc < D; dc += 64) {
-      for (int64_t d = dc; d < dc + 64; ++d)
-        _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), corr));
+      if (rescale)
+        for (int64_t d = dc; d < dc + 64; ++d)
+          _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), corr));
       _tile_loadd(0, acc[dc], 64);
       _tile_loadd(1, acc[dc + 16], 64);
       _tile_loadd(2, acc[dc + 32], 64);
