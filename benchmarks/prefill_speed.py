@@ -6,6 +6,10 @@ to XLA's). The real model's 30 layers over the passkey filler (as `hisparse benc
 generate`), the cache fill left out (it is the same for all).
 
     python benchmarks/prefill_speed.py --tokens 2048 7680
+
+`--float64` adds an attention in float64 (numpy, slow: 2K tokens or so) and each
+row's logits' largest distance from it: how far float32's own rounding moves
+SmolLM2's logits, the yardstick for the differences between the others.
 """
 
 from __future__ import annotations
@@ -25,6 +29,22 @@ from cpu_kernels import ops as cpu_ops
 from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.models.bench import prompt
 from hisparse_jax.models.registry import load
+
+def float64_attention(q, k, v):
+    """Exact causal attention in float64 on the host (queries scaled in float32 first,
+    as `attention.query_rows` does)."""
+    def run(q, k, v):
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        qs = (np.asarray(q, np.float32) * np.float32(1 / np.sqrt(d))).astype(np.float64)
+        k, v = (np.asarray(x.astype(np.float32), np.float64) for x in (k, v))
+        logits = np.einsum("thgd,shd->hgts", qs.reshape(t, hkv, hq // hkv, d), k)
+        logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return np.einsum("hgts,shd->thgd", p, v).reshape(t, hq, d).astype(np.float32)
+    return jax.pure_callback(run, jax.ShapeDtypeStruct(q.shape, jnp.float32), q, k, v)
+
 
 ATTENTIONS = {"amx_kernel": lambda q, k, v: cpu_ops.causal_attention(q, k, v, 0),
               "xla": causal_prefill_attention, "old_layout": old_layout}
@@ -53,6 +73,8 @@ def main(argv=None):
     p.add_argument("--attention", nargs="+", choices=list(ATTENTIONS),
                    default=["amx_kernel", "xla"], help="the first is the baseline of "
                    "speedup and max_logit_diff (amx_kernel is left out without AMX)")
+    p.add_argument("--float64", action="store_true",
+                   help="also each one's logits against float64 attention's")
     args = p.parse_args(argv)
     model, tok = load(args.model)
     for n in args.tokens:
@@ -75,6 +97,10 @@ def main(argv=None):
                   for name in names[1:]},
                **{f"max_logit_diff_{name}": float(np.abs(logits[name] - logits[names[0]]).max())
                   for name in names[1:]}}
+        if args.float64:
+            exact = np.asarray(forward(model, float64_attention)(ids))
+            row.update({f"max_logit_diff_float64_{name}": float(np.abs(x - exact).max())
+                        for name, x in logits.items()})
         print(json.dumps(row), flush=True)
 
 

@@ -1,10 +1,17 @@
-"""C++ kernels for HiSparse's decode on the CPU (XLA FFI custom calls), each beside
-the pure-jnp reference of the same signature in pallas_kernels/.
+"""C++ kernels for HiSparse on the CPU (XLA FFI custom calls), each beside a
+pure-jnp reference of the same signature.
 
-XLA:CPU runs the cold pages' attention as thousands of tiny batched products; these
-read each (sequence, KV head)'s pages in one loop (`sparse_decode.cc`). They are
-compiled with the machine's C++ compiler on first use (`build.py`) and are the
-default on a CPU (`implementation=None` -> "cpu"); without a compiler the default
-is the XLA path. Imports point one way: hisparse_jax -> cpu_kernels ->
-pallas_kernels (the references) -> jax.
+- `sparse_decode.cc`: the decode attention over the cache's tiers and cold pages.
+  XLA:CPU runs it as thousands of tiny batched products; these read each
+  (sequence, KV head)'s pages in one loop. References in pallas_kernels/.
+- `causal_attention.cc`: the exact causal attention of the prefill on AMX tiles
+  (Intel Xeon since Sapphire Rapids), float32-exact by splitting its bf16
+  operands. XLA:CPU writes out every score of its float32 blocks. Reference in
+  `reference.py`.
+
+They are compiled with the machine's C++ compiler on first use (`build.py`) and are
+the default on a CPU (`config.resolve_implementation`, `config.resolve_prefill`);
+without a compiler (or AMX, for the prefill) the default is the XLA path. Imports
+point one way: hisparse_jax -> cpu_kernels -> pallas_kernels (the references) ->
+jax.
 """

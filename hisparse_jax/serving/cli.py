@@ -72,7 +72,9 @@ def build_state(cfg):
                         "with fault_nan_kv_after): for tests only", name)
         kernels = ("" if engine.cache_cfg is None else
                    f", {resolve_implementation(engine.implementation, engine.cache_cfg)} kernels")
-        log.info("%s: compiling (%s attention%s) ...", name, cfg.attention, kernels)
+        prefill = "AMX kernel" if engine.prefill_implementation == "cpu" else "XLA"
+        log.info("%s: compiling (%s attention%s; exact prefill on %s) ...", name,
+                 cfg.attention, kernels, prefill)
         log.info("%s: compiled in %.1f s", name, engine.warmup())
         bound = metrics.bind(name, offload=engine.offload)
         sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
