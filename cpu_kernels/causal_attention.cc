@@ -59,20 +59,22 @@ struct alignas(64) TileConfig {
   }
 };
 
-// float32 -> bf16 bits, rounded to nearest even (NaN stays NaN).
-inline uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// x = hi + mid + lo, each bf16: 24 bits of x's mantissa.
-inline void Split3(float x, uint16_t out[3]) {
-  out[0] = ToBf16(x);
-  const float r = x - Bf16(out[0]);
-  out[1] = ToBf16(r);
-  out[2] = ToBf16(r - Bf16(out[1]));
+// e^x on 16 lanes as 2^(x log2(e)): 2^round times a degree-6 polynomial of the rest
+// (|r| <= 1/2, Taylor: relative error below 2e-7); -inf -> 0, NaN stays NaN. x is
+// a score less the maximum, so the product's rounding is relative to a small number.
+inline __m512 ExpBy2(__m512 x) {
+  x = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  x = _mm512_max_ps(_mm512_set1_ps(-150.f), x);  // NaN in x is returned as x
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // 16 floats -> bf16 bits (RNE), and those bf16 back as floats.
@@ -107,16 +109,29 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
   alignas(64) int32_t pos[16];  // each lane's last key; padding lanes copy the last query
   for (int64_t c = 0; c < 16; ++c)
     pos[c] = static_cast<int32_t>(std::min(s.start + q0 + std::min(c, nq - 1), s.kend - 1));
-  // Q^T as B tiles: [split][32 dims][16 dim pairs][16 queries] pairs of bf16
+  // Q^T as B tiles: [split][32 dims][16 dim pairs][16 queries] pairs of bf16, each
+  // query scaled and split into hi + mid + lo (24 bits)
   alignas(64) uint32_t qw[3][kMaxDim / 32][16][16];
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                              5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 scale = _mm512_set1_ps(sm_scale);
   for (int64_t c = 0; c < 16; ++c) {
-    const float* qr = c < nq ? q + ((q0 + c) * s.Hq + h) * D : nullptr;
-    for (int64_t d = 0; d < D; d += 2) {
-      uint16_t a[3], b[3];
-      Split3(qr ? qr[d] * sm_scale : 0.f, a);
-      Split3(qr ? qr[d + 1] * sm_scale : 0.f, b);
-      for (int t = 0; t < 3; ++t)
-        qw[t][d / 32][(d % 32) / 2][c] = a[t] | (static_cast<uint32_t>(b[t]) << 16);
+    const float* qr = q + ((q0 + std::min(c, nq - 1)) * s.Hq + h) * D;
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512 x[2], rest[2], back;
+      __m256i bits[3][2];
+      for (int i = 0; i < 2; ++i) {
+        x[i] = _mm512_mul_ps(_mm512_loadu_ps(qr + d + 16 * i), scale);  // as the reference
+        bits[0][i] = RoundBf16(x[i], &back);
+        rest[i] = _mm512_sub_ps(x[i], back);
+        bits[1][i] = RoundBf16(rest[i], &back);
+        bits[2][i] = RoundBf16(_mm512_sub_ps(rest[i], back), &back);
+      }
+      for (int t = 0; t < 3; ++t) {  // 32 dims = 16 pairs: one column of the tile
+        const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(bits[t][0]), bits[t][1], 1);
+        _mm512_i32scatter_epi32(&qw[t][d / 32][0][c], column, pairs, 4);
+      }
     }
   }
   alignas(64) float sc[kKeyBlock][16];    // S^T of a key block
@@ -164,14 +179,14 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     for (int64_t r = 0; r < kKeyBlock; r += 4)
       for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
     const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-    const __m512 corr = Exp16(_mm512_sub_ps(m, m_new));
+    const __m512 corr = ExpBy2(_mm512_sub_ps(m, m_new));
     // once a query's maximum has settled (most blocks), its corr is exactly 1
     const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
     m = m_new;
     __m512 sum = _mm512_setzero_ps();
     for (int64_t r = 0; r < kKeyBlock; r += 2) {
-      const __m512 p0 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
-      const __m512 p1 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
+      const __m512 p0 = ExpBy2(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
+      const __m512 p1 = ExpBy2(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
       sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
       __m512 h0, h1, unused;
       const __m256i hi0 = RoundBf16(p0, &h0), hi1 = RoundBf16(p1, &h1);
@@ -207,11 +222,10 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     }
   }
   _tile_release();
-  alignas(64) float lsum[16];
-  _mm512_store_ps(lsum, l);
+  for (int64_t d = 0; d < D; ++d) _mm512_store_ps(acc[d], _mm512_div_ps(_mm512_load_ps(acc[d]), l));
   for (int64_t c = 0; c < nq; ++c) {
     float* o = out + ((q0 + c) * s.Hq + h) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[d][c] / lsum[c];
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d][c];
   }
 }
 #endif  // HISPARSE_AMX
