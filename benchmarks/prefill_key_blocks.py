@@ -4,6 +4,8 @@ block size and by the queries' precision (docs/serving.md, "Measured"): one
 float32 queries, bf16 keys and values as the staged K/V) over --keys keys, in
 the online softmax of `attention.causal_query_block`, timed for key blocks of
 512, 256, 128 and 64, with float32 queries (today's exact prefill) and bf16 ones.
+Then the same block on the AMX kernel (`cpu_kernels/causal_attention.cc`, where
+the CPU has AMX-BF16), as the last 512 queries of a prompt of --keys tokens.
 Prints one JSON line per variant: median ms over --repeats, and the largest
 difference from the float32 512-key-block output.
 
@@ -19,6 +21,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from cpu_kernels import build
+from cpu_kernels import ops as cpu_ops
 
 QUERIES, GROUP, KV_HEADS, HEAD_DIM = 512, 3, 3, 64
 
@@ -71,6 +76,27 @@ def main(argv=None):
             print(json.dumps({"keys": a.keys, "key_block": key_block, "bf16_queries": bf16,
                               "ms": round(1e3 * float(np.median(ts)), 1),
                               "max_diff": float(np.abs(out - ref).max())}), flush=True)
+    if build.prefill_unavailable():
+        print(json.dumps({"amx_kernel": build.prefill_unavailable()}))
+        return
+    # [Hkv, G*C, D] rows -> [C, Hq, D] queries; keys [S, Hkv, D]; the queries come scaled
+    qt = q.reshape(KV_HEADS, GROUP, QUERIES, HEAD_DIM).transpose(2, 0, 1, 3).reshape(
+        QUERIES, KV_HEADS * GROUP, HEAD_DIM)
+    kt, vt = (x.transpose(1, 0, 2) for x in (k, v))
+    fn = jax.jit(lambda q, k, v: cpu_ops.causal_attention(q, k, v, a.keys - QUERIES,
+                                                          sm_scale=1.0))
+    got = np.asarray(fn(qt, kt, vt)).reshape(QUERIES, KV_HEADS, GROUP, HEAD_DIM)
+    ts = []
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        fn(qt, kt, vt).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    # the XLA blocks attend every key; the kernel's last queries too, its first ones
+    # fewer (causal): compare the last query, which sees all
+    want = ref.reshape(KV_HEADS, GROUP, QUERIES, HEAD_DIM)[:, :, -1]
+    print(json.dumps({"keys": a.keys, "amx_kernel": True, "causal": True,
+                      "ms": round(1e3 * float(np.median(ts)), 1),
+                      "max_diff_last_query": float(np.abs(got[-1] - want).max())}), flush=True)
 
 
 if __name__ == "__main__":

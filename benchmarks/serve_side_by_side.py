@@ -178,6 +178,9 @@ def main():
     p.add_argument("--budget-tokens", type=int, default=None,
                    help="the hisparse server's decode budget (default: hisparse serve's, a "
                         "16th of --max-context within 512-2048); the row records it")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="our servers' prompt tokens per engine step (default: hisparse "
+                        "serve's, 512; vLLM's CPU server takes 2,048); the row records it")
     p.add_argument("--out", default="benchmarks/results/serve_side_by_side.jsonl")
     p.add_argument("--log-dir", default=tempfile.gettempdir(),
                    help="each server's output goes to LOG_DIR/serve_NAME.log")
@@ -240,6 +243,8 @@ def main():
                    "--port", str(port)]
             if name == "hisparse" and a.budget_tokens is not None:
                 cmd += ["--budget-tokens", str(a.budget_tokens)]
+            if a.prefill_budget is not None:
+                cmd += ["--prefill-budget", str(a.prefill_budget)]
             proc = start(cmd, log=log_path(name))
         try:
             wait_up(url, proc)
@@ -261,6 +266,8 @@ def main():
                            command_line=" ".join(["python"] + argv))
                 if name == "hisparse":
                     row.update(budget_tokens=a.budget_tokens)  # None: serve's default
+                if name in ("hisparse", "dense"):
+                    row.update(prefill_budget=a.prefill_budget)  # None: serve's 512
                 if name == "vllm":
                     row.update(kv_cache_tokens=vllm_kv_tokens(log_path(name)),
                                vllm_kv_space_gib=a.vllm_kv_space_gib)
