@@ -30,6 +30,7 @@ from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.models.bench import prompt
 from hisparse_jax.models.registry import load
 
+
 def float64_attention(q, k, v):
     """Exact causal attention in float64 on the host (queries scaled in float32 first,
     as `attention.query_rows` does)."""

@@ -3,8 +3,10 @@ programs that run it: `prefill` (one slot's prompt) and `decode_step` (one token
 for every active slot).
 
 attention="hisparse": one `CacheState` per layer, stacked on a leading layer
-axis (`state.init_stacked`). Prefill attention is exact
-(`causal_prefill_attention`) and fills the cache (`state.prefill`); decode
+axis (`state.init_stacked`). Prefill attention is exact (on AMX tiles where the
+CPU has them, `cpu_kernels/causal_attention.cc`, else XLA's
+`causal_prefill_attention`: `config.resolve_prefill`) and fills the cache
+(`state.prefill`); decode
 appends the new token in place (`state.append_layer`) and attends sparsely
 (`attention.decode_step`).
 attention="dense": the same model with exact attention over a plain bf16 KV
