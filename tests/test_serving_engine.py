@@ -28,12 +28,16 @@ def long_ids(model):
 
 
 @pytest.mark.parametrize("attention", ["hisparse", "dense"])
-def test_chunked_prefill_equals_prefill(model, long_ids, attention):
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_chunked_prefill_equals_prefill(model, long_ids, attention, implementation):
     """Bit-equal, not close: the chunk program runs causal_prefill_attention's
-    online softmax block by block in the same order, and the HiSparse cache is
-    filled from the same bf16 K/V (prefill_kv). Slot 0 by prefill, slot 1 by
-    prefill_chunk; then both decode the same tokens with the same logits."""
-    eng = Engine(model[0], max_seqs=2, max_context=1024, attention=attention)
+    online softmax block by block in the same order (XLA), or the AMX kernel, whose
+    queries do not depend on their block (the default where the CPU has AMX), and
+    the HiSparse cache is filled from the same bf16 K/V (prefill_kv). Slot 0 by
+    prefill, slot 1 by prefill_chunk; then both decode the same tokens with the
+    same logits."""
+    eng = Engine(model[0], max_seqs=2, max_context=1024, attention=attention,
+                 implementation=implementation)
     samp = SamplingParams(temperature=0.7, seed=3)
     first = eng.prefill(0, long_ids, samp)
     ref = np.asarray(eng.logits)
