@@ -59,24 +59,6 @@ struct alignas(64) TileConfig {
   }
 };
 
-// e^x on 16 lanes as 2^(x log2(e)): 2^round times a degree-6 polynomial of the rest
-// (|r| <= 1/2, Taylor: relative error below 2e-7); -inf -> 0, NaN stays NaN. x is
-// a score less the maximum, so the product's rounding is relative to a small number.
-inline __m512 ExpBy2(__m512 x) {
-  x = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  x = _mm512_max_ps(_mm512_set1_ps(-150.f), x);  // NaN in x is returned as x
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 16 floats -> bf16 bits (RNE), and those bf16 back as floats.
 inline __m256i RoundBf16(__m512 x, __m512* back) {
   const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
@@ -179,14 +161,14 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     for (int64_t r = 0; r < kKeyBlock; r += 4)
       for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
     const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-    const __m512 corr = ExpBy2(_mm512_sub_ps(m, m_new));
+    const __m512 corr = Exp16(_mm512_sub_ps(m, m_new));
     // once a query's maximum has settled (most blocks), its corr is exactly 1
     const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
     m = m_new;
     __m512 sum = _mm512_setzero_ps();
     for (int64_t r = 0; r < kKeyBlock; r += 2) {
-      const __m512 p0 = ExpBy2(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
-      const __m512 p1 = ExpBy2(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
+      const __m512 p0 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
+      const __m512 p1 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
       sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
       __m512 h0, h1, unused;
       const __m256i hi0 = RoundBf16(p0, &h0), hi1 = RoundBf16(p1, &h1);

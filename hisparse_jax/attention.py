@@ -555,13 +555,11 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, la
     sample_logw = jax.lax.optimization_barrier(sample_logw)
     bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
     qg = group_queries(cfg, q).astype(jnp.float32)
-    window = (qg, state.bf16_k, state.bf16_v, bf16_pos >= 0, state.fp8_k, state.fp8_v,
-              state.fp8_k_scale, state.fp8_v_scale, fp8_pos >= 0)
+    tiers = state if stacked is None else stacked  # stacked: the "cpu" kernels' in place
+    window = (qg, tiers.bf16_k, tiers.bf16_v, bf16_pos >= 0, tiers.fp8_k, tiers.fp8_v,
+              tiers.fp8_k_scale, tiers.fp8_v_scale, fp8_pos >= 0)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if impl == "cpu":
-        tiers = state if stacked is None else stacked
-        window = (qg, tiers.bf16_k, tiers.bf16_v, bf16_pos >= 0, tiers.fp8_k, tiers.fp8_v,
-                  tiers.fp8_k_scale, tiers.fp8_v_scale, fp8_pos >= 0)
         return _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw,
                            layer, sm_scale)
     c = slots.shape[-1]
