@@ -1,5 +1,5 @@
-"""Compile the kernels (`sparse_decode.cc`, `causal_attention.cc`) once per machine, on first use, and register its
-handlers with XLA.
+"""Compile the kernels (`sparse_decode.cc`, `selection.cc`, `causal_attention.cc`)
+into one library once per machine, on first use, and register its handlers with XLA.
 
 The library goes to `$HISPARSE_HOME/cpu_kernels/<key>/` (default
 `~/.cache/hisparse`), keyed by the source, the compiler and its flags, jaxlib's
@@ -24,13 +24,16 @@ import jax
 import jaxlib
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "sparse_decode.cc", HERE / "causal_attention.cc")
+SOURCES = (HERE / "sparse_decode.cc", HERE / "selection.cc", HERE / "causal_attention.cc")
 HEADERS = (HERE / "common.h",)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # FFI target name -> the handler's symbol in the library
 TARGETS = {"hisparse_cold_logits": "HisparseColdLogits",
            "hisparse_attend_listed": "HisparseAttendListed",
            "hisparse_window": "HisparseWindow",
+           "hisparse_page_scores": "HisparsePageScores",
+           "hisparse_rank_pages": "HisparseRankPages",
+           "hisparse_sample_tail": "HisparseSampleTail",
            "hisparse_causal_attention": "HisparseCausalAttention"}
 
 _lock = threading.Lock()

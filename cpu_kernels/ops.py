@@ -1,5 +1,6 @@
 """The CPU kernels with their references' signatures
-(pallas_kernels/sparse_decode/reference.py), plus `layer`: given a layer index, the
+(pallas_kernels/sparse_decode/reference.py, and pallas_kernels/lookup/reference.py
+for `page_scores`), plus `layer`: given a layer index, the
 pool arrays carry a leading layer axis and the kernel reads that layer in place
 (a layer of a stacked cache, which XLA would otherwise copy whole for the call).
 
@@ -10,6 +11,8 @@ order whatever the batch, so a sequence's numbers never depend on the others'.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +81,47 @@ def window_parts(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v
                   bf16_valid.astype(bool), _e4m3(fk), _e4m3(fv), fks.astype(jnp.float32),
                   fvs.astype(jnp.float32), fp8_valid.astype(bool), layer,
                   sm_scale=np.float32(sm_scale))]
+
+
+def page_scores(q, digest_center, digest_radius, page_table, layer=None):
+    """`lookup_ref.page_scores` (pallas_kernels/lookup/reference.py): Quest's bound
+    [B, Hkv, G, N] and the group's log estimated mass [B, Hkv, N] of each page of
+    `page_table` [B, N] for grouped queries q [B, Hkv, G, D], -inf where the table
+    is -1. The query is scaled and rounded to bf16 here, as the reference does."""
+    (c, r), layer = _pool((digest_center, digest_radius), layer)
+    rows = (q.astype(jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))).astype(jnp.bfloat16)
+    b, h, g, _ = q.shape
+    n = page_table.shape[-1]
+    return _call("hisparse_page_scores",
+                 (jax.ShapeDtypeStruct((b, h, g, n), jnp.float32),
+                  jax.ShapeDtypeStruct((b, h, n), jnp.float32)),
+                 rows, c.astype(jnp.bfloat16), _e4m3(r), page_table.astype(jnp.int32), layer)
+
+
+def rank_pages(bound, ranked, page_table, lead, *, per_head, k, quest):
+    """`attention._rank`'s candidates from its scores, the same pages as XLA's:
+    bound [B, Hkv, G, N] and ranked [B, Hkv, N] (the stickiness bonus added),
+    page_table [B, N], lead [B, Hkv] (how many of plain Quest's top pages lead the
+    group; read if `quest`) -> [B, Hkv, k] int32 logical pages in page order, -1
+    last. per_head: each query head's top bound pages."""
+    b, h = ranked.shape[:2]
+    return _call("hisparse_rank_pages", jax.ShapeDtypeStruct((b, h, k), jnp.int32),
+                 bound.astype(jnp.float32), ranked.astype(jnp.float32),
+                 page_table.astype(jnp.int32), lead.astype(jnp.int32),
+                 per_head=np.int64(per_head), k=np.int64(k), quest=bool(quest))
+
+
+def sample_tail(mass, pages, offsets, *, n_u, n_s):
+    """`attention.sample_tail`'s draws from its offsets [B, 2, Hkv]: mass [B, Hkv,
+    N], the selection pages [B, Hkv, K] -> (pages [B, Hkv, n_u + n_s] int32, -1 =
+    none; log weights f32, 0 where none). The same uniform draws; the weighted ones
+    are the same but where a draw falls within rounding of a page's edge."""
+    b, h = mass.shape[:2]
+    shape = (b, h, n_u + n_s)
+    return _call("hisparse_sample_tail", (jax.ShapeDtypeStruct(shape, jnp.int32),
+                                          jax.ShapeDtypeStruct(shape, jnp.float32)),
+                 mass.astype(jnp.float32), pages.astype(jnp.int32),
+                 offsets.astype(jnp.float32), n_u=np.int64(n_u), n_s=np.int64(n_s))
 
 
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,

@@ -31,7 +31,7 @@ def _ops(implementation, cfg: HiSparseConfig):
         return lookup_kernel.page_scores, decode_kernel.sparse_decode
     if impl == "cpu":
         from cpu_kernels import ops
-        return lookup_ref.page_scores, ops.sparse_decode
+        return ops.page_scores, ops.sparse_decode
     return lookup_ref.page_scores, decode_ref.sparse_decode
 
 
@@ -50,11 +50,11 @@ class Selection(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def select(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
-           implementation=None) -> Selection:
+           implementation=None, stacked=None) -> Selection:
     """The candidate cold pages (`select_pages`) and an importance sample of the
-    others (`sample_tail`)."""
-    pages, mass = _select(cfg, state, q, implementation)
-    sample, logw = sample_tail(cfg, mass, pages, state.seq_lens)
+    others (`sample_tail`). stacked: see `_attend_logical`."""
+    pages, mass = _select(cfg, state, q, implementation, stacked)
+    sample, logw = sample_tail(cfg, mass, pages, state.seq_lens, implementation=implementation)
     return Selection(pages, sample, logw)
 
 
@@ -97,13 +97,30 @@ def _first_argmax(x):
     return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1) % n
 
 
-def _select(cfg, state, q, implementation):
+def _page_scores(cfg, state, q, implementation, stacked):
+    """(bound, mass) of `lookup_ref.page_scores`. The "cpu" kernel reads the digests
+    of a layer-stacked state in place (stacked: see `_attend_logical`)."""
+    page_scores, _ = _ops(implementation, cfg)
+    qg = group_queries(cfg, q)
+    if resolve_implementation(implementation, cfg) == "cpu":
+        digests, layer = stacked or (state, None)
+        return page_scores(qg, digests.digest_center, digests.digest_radius,
+                           state.page_table, layer=layer)
+    return page_scores(qg, state.digest_center, state.digest_radius, state.page_table)
+
+
+def _select(cfg, state, q, implementation, stacked=None):
     """(candidate logical pages [B, Hkv, C], estimated group mass of every page
     [B, Hkv, N] (log, -inf = not a candidate; without the stickiness bonus, which
     is for ranking only))."""
-    page_scores, _ = _ops(implementation, cfg)
-    bound, mass = page_scores(group_queries(cfg, q), state.digest_center,
-                              state.digest_radius, state.page_table)
+    bound, mass = _page_scores(cfg, state, q, implementation, stacked)
+    return _rank(cfg, state, bound, mass, implementation), mass
+
+
+def _rank(cfg, state, bound, mass, implementation):
+    """`_select`'s candidate pages [B, Hkv, C] from the page scores (bound [B, Hkv,
+    G, N], mass [B, Hkv, N], `lookup_ref.page_scores`). The "cpu" implementation
+    ranks in C++ (cpu_kernels/selection.cc): the same pages from the same scores."""
     if cfg.sticky:
         # The last step's pages are favoured by sticky_nats in both rankings, so a
         # near-tie at the budget's edge does not swap pages every step.
@@ -119,6 +136,17 @@ def _select(cfg, state, q, implementation):
     if cfg.bound_share > 0:
         per_head = max(1, per_head)
     per_head = min(per_head, k // g, bound.shape[-1])
+    peak = cfg.peak_pages > 0 and cfg.budget_tokens != FULL_BUDGET
+    lead = cfg.quest_lead_pages if cfg.budget_tokens != FULL_BUDGET else 0
+    # Plain Quest's top pages lead a group's candidates (`extra` [B, Hkv] of them) when
+    # its bounds are peaked, or always (quest_lead); see below.
+    extra = (jnp.maximum(_peak_pages(cfg, bound, k) if peak else 0, lead)
+             if peak or lead else None)
+    if resolve_implementation(implementation, cfg) == "cpu":  # the same pages, in C++
+        from cpu_kernels import ops
+        lead_pages = jnp.broadcast_to(0 if extra is None else extra, bound.shape[:2])
+        return ops.rank_pages(bound, ranked, state.page_table, lead_pages, per_head=per_head,
+                              k=k, quest=extra is not None)
     top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
     # Spans (needles) are not page-aligned: the pages either side of each head's
     # top bound page often hold the span's tail, whose few tokens neither the bound
@@ -136,8 +164,6 @@ def _select(cfg, state, q, implementation):
     pages_b = jnp.concatenate([pages_b, side], axis=-1)
     top_b = top_b.reshape(*top_b.shape[:2], -1)
     pages_b = pages_b.reshape(*pages_b.shape[:2], -1)
-    peak = cfg.peak_pages > 0 and cfg.budget_tokens != FULL_BUDGET
-    lead = cfg.quest_lead_pages if cfg.budget_tokens != FULL_BUDGET else 0
     if peak or lead:
         # Peaked bounds (issue 14): when a head's bound sets pages far apart from
         # its bulk, it has more contenders than its split holds, and the centre
@@ -151,7 +177,6 @@ def _select(cfg, state, q, implementation):
         # Every group leads with `lead` of them (cfg.quest_lead): its floor can
         # then always reach Quest's set, with or without a far page.
         kq = k
-        extra = jnp.maximum(_peak_pages(cfg, bound, kq) if peak else 0, lead)  # [B, Hkv]
 
         def quest(bound):
             top_q, pages_q = jax.lax.top_k(jnp.max(bound, axis=2), kq)  # [B, Hkv, kq]
@@ -193,7 +218,7 @@ def _select(cfg, state, q, implementation):
     # In page order (none last): the attention's gathers then walk the pool forwards.
     logical = jnp.where(ok, logical, n_pages)
     logical = jnp.sort(logical, axis=-1)
-    return jnp.where(logical < n_pages, logical, -1).astype(jnp.int32), mass
+    return jnp.where(logical < n_pages, logical, -1).astype(jnp.int32)
 
 
 PEAK_STATS_STRIDE = 8  # the mean and spread from every 8th page: a 1,000-page sample at 128K
@@ -272,7 +297,8 @@ def _systematic(cdf, u, n):
     return jnp.minimum(idx, cdf.shape[-1] - 1)
 
 
-def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens: jax.Array):
+def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens: jax.Array, *,
+                implementation=None):
     """An importance sample of the cold pages selection left out (MagicPIG's idea
     at page granularity), `cfg.sample_pages` draws per (sequence, KV head) in two
     systematic samples: n_u = 1/4 of them uniform over the candidate pages (a draw
@@ -289,13 +315,18 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
 
     mass [B, Hkv, N] log estimated mass (-inf = not a candidate); pages [B, Hkv, K]
     the selection. Returns (logical pages [B, Hkv, n] int32, -1 = none, and their
-    log weights [B, Hkv, n] f32, 0 where none)."""
+    log weights [B, Hkv, n] f32, 0 where none). The "cpu" implementation draws
+    in C++ (`cpu_kernels.ops.sample_tail`)."""
     n = cfg.sample_pages
     b, h, npg = mass.shape
     if n == 0:
         return jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), jnp.float32)
     n_u = round(n * TAIL_UNIFORM_SHARE)
     n_s = n - n_u
+    if resolve_implementation(implementation, cfg) == "cpu":
+        from cpu_kernels import ops
+        return ops.sample_tail(mass, pages, _offsets(cfg, seq_lens, _TAIL_KEY, (2, h)),
+                               n_u=n_u, n_s=n_s)
     cand = mass > -jnp.inf  # NaN estimates (NaN keys) are never drawn
     free = cand.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
                    jnp.where(pages >= 0, pages, npg)].set(False, mode="drop")
@@ -659,7 +690,7 @@ def decode_step(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, impleme
     """`decode_attention` as a decode step: (out [B, Hq, D], attended logical pages
     [B, Hkv, K], the state after `remember`ing this step's candidates).
     stacked: see `_attend_logical`."""
-    sel = select(cfg, state, q, implementation=implementation)
+    sel = select(cfg, state, q, implementation=implementation, stacked=stacked)
     out, pages = _attend_logical(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
                                  implementation, stacked)
     return out, pages, remember(cfg, state, sel.pages)

@@ -1,0 +1,206 @@
+"""The C++ selection kernels (cpu_kernels/selection.cc) against the XLA path.
+
+- `page_scores` against `lookup_ref.page_scores` (tests/test_kernels.py's lookup
+  cases: NaN digests on unused pool pages, tables with holes and a ragged tail, GQA
+  1 to 8, head dims 64 and 128, and 40 / 48 for the scalar path): within 1e-5;
+  it sums in another order, and a wrong or missing channel moves a score by 1e-2
+  or more.
+- `_rank`: the same candidate pages as XLA's from the same scores, bit for bit,
+  on scores with ties (top_k's lower-index rule decides at the budget's edge),
+  holes in the table, peaks, stickiness, and each config that changes the
+  candidate lists.
+- `sample_tail`: the same uniform draws; the weighted draws the same but where a
+  draw falls within rounding of a page's edge (its cumulative sum runs in
+  another order).
+A sequence's numbers never depend on the batch or on NaN in another sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import build, ops
+from hisparse_jax import attention as att
+from hisparse_jax import state as st
+from hisparse_jax.config import HiSparseConfig
+from pallas_kernels.lookup import reference as lookup_ref
+from tests.test_kernels import LOOKUP_CASES, LookupCase, make_lookup
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or build.unavailable() is not None,
+                                reason="the C++ kernels (CPU, with a compiler)")
+
+SCORE_CASES = [*LOOKUP_CASES,
+               LookupCase(3, 3, 3, 64, 61, 200),   # SmolLM2's heads
+               LookupCase(2, 2, 7, 40, 29, 40),    # the scalar path
+               LookupCase(1, 1, 2, 48, 17, 24)]
+
+
+def _finite_close(got, want, atol=1e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_page_scores_match_the_reference(case):
+    args = make_lookup(case)
+    for got, want in zip(jax.jit(ops.page_scores)(*args), lookup_ref.page_scores(*args),
+                         strict=True):
+        assert not np.isnan(np.asarray(got)).any()
+        _finite_close(got, want)
+
+
+def test_page_scores_read_a_layer_in_place_and_do_not_depend_on_the_batch():
+    case = LookupCase(4, 3, 3, 64, 61, 200)
+    layers = [make_lookup(case, seed=s) for s in range(3)]
+    q, _, _, table = layers[0]
+    center = jnp.stack([a[1] for a in layers])
+    radius = jnp.stack([a[2] for a in layers]).view(jnp.uint8)  # a stacked cache's form
+    f = jax.jit(ops.page_scores)
+    for layer in (0, 2):
+        got = f(q, center, radius, table, layer=jnp.int32(layer))
+        want = f(q, layers[layer][1], layers[layer][2], table)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    wide = f(q, center, radius, table, layer=1)
+    for b in (1, 3):
+        for g, w in zip(f(q[:b], center, radius, table[:b], layer=1), wide, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w)[:b])
+
+
+def test_page_scores_nan_in_one_sequence_stays_there():
+    q, center, radius, table = make_lookup(LookupCase(3, 2, 4, 64, 37, 48))
+    clean = ops.page_scores(q, center, radius, table)
+    got = ops.page_scores(q.at[1, 0, 0, 0].set(jnp.nan), center, radius, table)
+    assert np.isnan(np.asarray(got[1])[1, 0][np.asarray(table[1]) >= 0]).all()
+    for g, w in zip(got, clean, strict=True):
+        for b in (0, 2):
+            np.testing.assert_array_equal(np.asarray(g)[b], np.asarray(w)[b])
+
+
+BASE = HiSparseConfig(num_kv_heads=3, gqa_group=3, head_dim=64, max_context=3072, max_seqs=4,
+                      budget_tokens=256)
+RANK_CONFIGS = {
+    "default": BASE,
+    "no_peak": BASE.replace(peak_pages=0),
+    "no_lead": BASE.replace(quest_lead=0.0),
+    "no_quest": BASE.replace(peak_pages=0, quest_lead=0.0),
+    "not_sticky": BASE.replace(sticky_nats=0.0),
+    "no_bound_share": BASE.replace(bound_share=0.0),
+    "gqa_8_tiny_budget": BASE.replace(num_kv_heads=1, gqa_group=8, budget_tokens=64),
+    "no_rerank": BASE.replace(rerank_multiple=1.0, budget_tokens=1024),
+}
+
+
+def _rank_case(cfg, seed):
+    """A state with tables of 4 lengths (holes where -1), remembered pages, and
+    scores with ties, a far peak and a -inf hole; -inf where the table is -1."""
+    rng = np.random.default_rng(seed)
+    b, h, g, n = 4, cfg.num_kv_heads, cfg.gqa_group, cfg.max_pages
+    table = np.full((b, n), -1, np.int32)
+    for i, length in enumerate((n, n // 2 + 1, 7, 0)):
+        table[i, :length] = rng.permutation(length)
+    table[0, 3] = -1
+    s = st.init_state(cfg).replace(page_table=jnp.asarray(table),
+                                   last_selected=jnp.asarray(rng.random((b, h, n)) < 0.1))
+    bound = rng.standard_normal((b, h, g, n)).astype(np.float32)
+    mass = rng.standard_normal((b, h, n)).astype(np.float32)
+    if seed % 2:  # ties everywhere
+        bound, mass = np.round(bound * 2) / 2, np.round(mass)
+    bound[0, 0, 0, n - 5] = 25.0  # a page far above the bulk (peaked bounds)
+    bound[1, -1, :, 2] = -np.inf
+    ok = table >= 0
+    bound = np.where(ok[:, None, None], bound, -np.inf).astype(np.float32)
+    mass = np.where(ok[:, None], mass, -np.inf).astype(np.float32)
+    return s, jnp.asarray(bound), jnp.asarray(mass)
+
+
+@pytest.mark.parametrize("name", RANK_CONFIGS)
+def test_rank_pages_picks_the_same_pages_as_xla(name):
+    cfg = RANK_CONFIGS[name]
+    for seed in range(6):
+        s, bound, mass = _rank_case(cfg, seed)
+        want = np.asarray(att._rank(cfg, s, bound, mass, "xla"))
+        got = np.asarray(att._rank(cfg, s, bound, mass, "cpu"))
+        np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
+        assert (want[0] >= 0).sum() > 0 and (want[3] == -1).all()
+
+
+def test_rank_pages_ties_at_the_edge_go_to_the_lower_index():
+    """All bounds equal: each head's picks are its first pages (top_k's rule), and
+    the centre ranks the rest by index too; both paths agree."""
+    cfg = RANK_CONFIGS["no_quest"]
+    s, bound, mass = _rank_case(cfg, 0)
+    ok = np.asarray(s.page_table) >= 0
+    bound = jnp.broadcast_to(jnp.where(ok[:, None, None], 1.0, -jnp.inf), bound.shape)
+    mass = jnp.broadcast_to(jnp.where(ok[:, None], 0.0, -jnp.inf), mass.shape)
+    s = s.replace(last_selected=jnp.zeros_like(s.last_selected))
+    got = np.asarray(att._rank(cfg, s, bound, mass, "cpu"))
+    np.testing.assert_array_equal(got, np.asarray(att._rank(cfg, s, bound, mass, "xla")))
+    # table[0, 3] is a hole
+    np.testing.assert_array_equal(got[0, 0], np.delete(np.arange(got.shape[-1] + 1), 3))
+
+
+def _tail_case(seed, b=4, h=3, n=300, k=40):
+    rng = np.random.default_rng(seed)
+    mass = (rng.standard_normal((b, h, n)) * (1 + 3 * seed)).astype(np.float32)
+    mass[:, :, 250:] = -np.inf          # not candidates
+    mass[2] = -np.inf                   # a sequence with none
+    pages = np.stack([np.stack([np.sort(rng.choice(250, k, replace=False))
+                                for _ in range(h)]) for _ in range(b)]).astype(np.int32)
+    pages[0, 0, -5:] = -1
+    lens = jnp.asarray(rng.integers(1000, 4800, b), jnp.int32)
+    return jnp.asarray(mass), jnp.asarray(pages), lens
+
+
+def test_sample_tail_draws_as_xla():
+    cfg = BASE.replace(max_context=4800)
+    n_u = round(cfg.sample_pages * att.TAIL_UNIFORM_SHARE)
+    total = same = 0
+    for seed in range(8):
+        mass, pages, lens = _tail_case(seed)
+        (xi, xw), (ci, cw) = (att.sample_tail(cfg, mass, pages, lens, implementation=i)
+                              for i in ("xla", "cpu"))
+        xi, ci, xw, cw = map(np.asarray, (xi, ci, xw, cw))
+        np.testing.assert_array_equal(ci[..., :n_u], xi[..., :n_u])  # uniform: exact sums
+        assert (ci[2] == -1).all() and (cw[2] == 0).all()
+        total, same = total + xi.size, same + (ci == xi).sum()
+        eq = ci == xi
+        np.testing.assert_allclose(cw[eq], xw[eq], rtol=1e-5, atol=1e-6)
+    assert same >= total - 3, (same, total)
+
+
+def test_sample_tail_nan_in_one_sequence_stays_there():
+    cfg = BASE.replace(max_context=4800)
+    mass, pages, lens = _tail_case(1)
+    clean = att.sample_tail(cfg, mass, pages, lens, implementation="cpu")
+    got = att.sample_tail(cfg, mass.at[1, 0, 5].set(jnp.nan), pages, lens, implementation="cpu")
+    for g, w in zip(got, clean, strict=True):
+        for b in (0, 2, 3):
+            np.testing.assert_array_equal(np.asarray(g)[b], np.asarray(w)[b])
+    wide = att.sample_tail(cfg, mass, pages, lens, implementation="cpu")
+    narrow = att.sample_tail(cfg, mass[:1], pages[:1], lens[:1], implementation="cpu")
+    for g, w in zip(narrow, wide, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w)[:1])
+
+
+def test_the_decode_step_selects_on_the_kernels():
+    """`select` on the "cpu" implementation calls the three kernels (not XLA's
+    top_k and searchsorted)."""
+    cfg = dataclasses.replace(BASE)
+    s, _, _ = _rank_case(cfg, 0)
+    q = jnp.ones((4, 9, 64), jnp.float32)
+    text = {impl: jax.jit(lambda s, q, impl=impl: att.select(cfg, s, q, implementation=impl))
+            .lower(s, q).as_text() for impl in ("cpu", "xla")}
+    for target in ("hisparse_page_scores", "hisparse_rank_pages", "hisparse_sample_tail"):
+        assert target in text["cpu"] and target not in text["xla"]
+    assert "top_k" in text["xla"] and "top_k" not in text["cpu"]
+    # XLA's searchsorted is a loop; the random offsets' loops remain on both
+    assert text["cpu"].count("stablehlo.while") < text["xla"].count("stablehlo.while")
