@@ -34,6 +34,7 @@ TARGETS = {"hisparse_cold_logits": "HisparseColdLogits",
            "hisparse_page_scores": "HisparsePageScores",
            "hisparse_rank_pages": "HisparseRankPages",
            "hisparse_sample_tail": "HisparseSampleTail",
+           "hisparse_rerank": "HisparseRerank",
            "hisparse_causal_attention": "HisparseCausalAttention"}
 
 _lock = threading.Lock()

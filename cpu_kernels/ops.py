@@ -124,6 +124,28 @@ def sample_tail(mass, pages, offsets, *, n_u, n_s):
                  offsets.astype(jnp.float32), n_u=np.int64(n_u), n_s=np.int64(n_s))
 
 
+def rerank(raw, slots, window_lse, q, int4_k, digest_center, digest_radius, offsets, *, k, m,
+           sm_scale, floor, slack, uniform_share, mass_weight, layer=None):
+    """`attention.rerank` of the candidates at pool `slots` [B, Hkv, C] from
+    `cold_logits` raw [B, Hkv, G, L >= C, T] (theirs first), the window's log-sum-exp
+    [B, Hkv, G] and the sample's offsets [B, Hkv]; the floor's Quest bounds from q
+    [B, Hkv, G, D] and the pool (`attention.candidate_bounds`) where a group has a
+    sharp head (floor >= 1: no floor) -> (kept [B, Hkv, k], drawn [B, Hkv, m]: indices
+    into the candidates, -1 = none; drawn_logw [B, Hkv, m] f32)."""
+    (kc, c, r), layer = _pool((int4_k, digest_center, digest_radius), layer)
+    b, h = slots.shape[:2]
+    return _call("hisparse_rerank",
+                 (jax.ShapeDtypeStruct((b, h, k), jnp.int32),
+                  jax.ShapeDtypeStruct((b, h, m), jnp.int32),
+                  jax.ShapeDtypeStruct((b, h, m), jnp.float32)),
+                 raw.astype(jnp.float32), slots.astype(jnp.int32),
+                 window_lse.astype(jnp.float32), q.astype(jnp.float32), kc,
+                 c.astype(jnp.bfloat16), _e4m3(r), layer, offsets.astype(jnp.float32),
+                 sm_scale=np.float32(sm_scale), floor=np.float32(floor),
+                 slack_share=np.float32(slack), uniform_share=np.float32(uniform_share),
+                 mass_weight=bool(mass_weight))
+
+
 def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_v_scale,
                   fp8_valid, int4_k, int4_v, int4_v_scale, int4_v_zero, digest_center,
                   digest_radius, cold_ids, *, sm_scale, cold_logw=None, layer=None):

@@ -1,11 +1,12 @@
-// A decode step's page selection on the CPU, as three XLA FFI handlers:
+// A decode step's page selection on the CPU, as four XLA FFI handlers:
 // - page scores: pallas_kernels/lookup/reference.py's `page_scores` (Quest's
 //   bound per query head, and the group's estimated mass per page) for every
 //   page of each sequence's page table;
 // - the ranking: hisparse_jax/attention.py's `_select` after the scores (each
 //   head's top bound pages and their neighbours, plain Quest's lead, then the
 //   pages with the most mass), the same pages as XLA's from the same scores;
-// - the tail sample: attention.py's `sample_tail`.
+// - the tail sample: attention.py's `sample_tail`;
+// - the re-rank of the candidates by their int4 logits: attention.py's `rerank`.
 //
 // XLA:CPU gathers each sequence's digest rows into a transposed copy before its
 // two dots (a model's layer view copies the layer's digests as well): most of a
@@ -30,6 +31,7 @@ using namespace hisparse_cpu;  // NOLINT
 
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxGroup = 16;
+constexpr float kInt4Step = static_cast<float>(2.0 / 15.0);  // INT4_LEVELS = 15
 
 // rows [B,H,G,D] bf16 (the query scaled by 1/sqrt(D), rounded to bf16 as the
 // reference rounds it); center [L,H,P,D] bf16; radius [L,H,P,D] e4m3 (or its
@@ -385,6 +387,240 @@ ffi::Error SampleTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mass,
   return ffi::Error::Success();
 }
 
+// Chain sums in the reference's order (attention.row_sum: a chain of adds, or a
+// cumulative sum's last element; both run left to right here).
+inline float ChainSum(const float* x, int64_t n, int64_t stride = 1) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s = i ? s + x[i * stride] : x[0];
+  return s;
+}
+
+// attention._quest_floor for one group: score [C] (-1: not valid) with every page
+// outside the chosen set at -1. share [G][C] (0 where not valid), sharp [G], slack
+// [G], bound [G][C] (Quest's bound of each candidate).
+void QuestFloor(std::vector<float>& score, const std::vector<float>& share, const bool* sharp,
+                const float* slack, const std::vector<float>& bound, int64_t G, int64_t C,
+                int64_t k, TopKScratch& scratch) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> qb(C);
+  std::vector<uint8_t> valid(C);
+  for (int64_t c = 0; c < C; ++c) {
+    valid[c] = score[c] > 0;
+    float m = bound[c];
+    for (int64_t g = 1; g < G && !std::isnan(m); ++g)
+      m = std::isnan(bound[g * C + c]) || bound[g * C + c] > m ? bound[g * C + c] : m;
+    qb[c] = valid[c] && !std::isnan(m) ? m : -inf;
+  }
+  std::vector<int32_t> order_s, order_q;
+  TopK(score.data(), C, C, order_s, scratch);
+  TopK(qb.data(), C, C, order_q, scratch);
+  std::vector<int32_t> rank_s(C);
+  for (int64_t i = 0; i < C; ++i) rank_s[order_s[i]] = static_cast<int32_t>(i);
+  std::vector<uint8_t> member(C), best_member(C);
+  std::vector<float> mass0(G), mass(G);
+  float best_total = 0.f;
+  bool have = false;
+  for (int64_t j = 0; j <= k; ++j) {
+    int64_t fill = 0;
+    for (int64_t c = 0; c < C; ++c) member[c] = valid[c] && rank_s[c] < j;
+    for (int64_t i = 0; i < C && fill < k - j; ++i) {
+      const int32_t c = order_q[i];
+      if (valid[c] && !member[c]) {
+        member[c] = 2;
+        ++fill;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < C; ++c) sum += member[c] ? share[g * C + c] : 0.f;
+      mass[g] = sum;
+    }
+    if (j == 0) mass0 = mass;
+    bool ok = true;
+    for (int64_t g = 0; g < G; ++g) ok &= mass[g] >= mass0[g] - slack[g] || !sharp[g];
+    const float total = ok ? ChainSum(mass.data(), G) : -1.f;
+    if (!have || total >= best_total) {  // on ties the larger j
+      best_total = total;
+      best_member = member;
+      have = true;
+    }
+  }
+  for (int64_t c = 0; c < C; ++c)
+    if (!best_member[c]) score[c] = -1.f;
+}
+
+// attention.rerank on the CPU, for `_attend_cpu`: raw [B,H,G,L,T] f32 (`cold_logits`
+// of the listed pages, the C candidates first); slots [B,H,C] s32 (their pool
+// pages, -1: none); win_lse [B,H,G] f32 (the window's log-sum-exp); q [B,H,G,D] f32
+// (unscaled); int4_k [L',H,P,T,D/2] u8, center [L',H,P,D] bf16, radius [L',H,P,D]
+// e4m3 (or its bits), layer s32[] (the candidates' Quest bounds, for the floor);
+// u [B,H] f32 (the sample's offsets) -> kept [B,H,k] s32, drawn [B,H,m] s32 (indices
+// into the candidates, -1: none), drawn_logw [B,H,m] f32. floor >= 1: no floor.
+// The floor runs per group, where one of its heads is sharp (XLA's runs for every
+// group once one is: the same set, where no head is sharp).
+ffi::Error RerankImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> raw, ffi::Buffer<ffi::S32> slots,
+                      ffi::Buffer<ffi::F32> win_lse, ffi::Buffer<ffi::F32> q,
+                      ffi::Buffer<ffi::U8> int4_k, ffi::Buffer<ffi::BF16> center,
+                      ffi::AnyBuffer radius, ffi::Buffer<ffi::S32> layer,
+                      ffi::Buffer<ffi::F32> offsets, ffi::ResultBuffer<ffi::S32> kept,
+                      ffi::ResultBuffer<ffi::S32> drawn, ffi::ResultBuffer<ffi::F32> drawn_logw,
+                      float sm_scale, float floor, float slack_share, float uniform_share,
+                      bool mass_weight) {
+  auto rd = raw.dimensions();
+  auto sd = slots.dimensions();
+  auto kd = int4_k.dimensions();
+  if (rd.size() != 5 || sd.size() != 3 || kd.size() != 5 || q.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("hisparse rerank: ranks");
+  const int64_t B = rd[0], H = rd[1], G = rd[2], L = rd[3], T = rd[4], C = sd[2];
+  const int64_t D = q.dimensions()[3], half = D / 2;
+  const int64_t k = kept->dimensions()[2], m = drawn->dimensions()[2];
+  if (C > L || k > C || G > kMaxGroup || D > kMaxDim || kd[3] != T || kd[4] != half)
+    return ffi::Error::InvalidArgument("hisparse rerank: shapes");
+  if (radius.element_type() != ffi::DataType::F8E4M3FN &&
+      radius.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("hisparse rerank: radius must be e4m3 (or its bits)");
+  const int32_t l = layer.typed_data()[0];
+  const Pool kpool = MakePool(kd, l), dpool = MakePool(center.dimensions(), l);
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(center.typed_data());
+  const uint8_t* rp = static_cast<const uint8_t*>(radius.untyped_data());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  ParallelFor(pool, B * H, [&](int64_t bh) {
+      const int64_t h = bh % H;
+      const int32_t* sl = slots.typed_data() + bh * C;
+      std::vector<float> share(G * C), page(T);
+      float top[kMaxGroup], window[kMaxGroup];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* r = raw.typed_data() + (bh * G + g) * L * T;
+        float mx = -inf;
+        bool has_nan = false;
+        for (int64_t c = 0; c < C; ++c) {
+          if (sl[c] < 0) continue;
+          for (int64_t t = 0; t < T; ++t) {
+            const float x = r[c * T + t] * sm_scale;
+            has_nan |= std::isnan(x);
+            mx = x > mx ? x : mx;
+          }
+        }
+        top[g] = has_nan ? nan : mx;
+        const float shift = std::isfinite(top[g]) ? top[g] : 0.f;
+        for (int64_t c = 0; c < C; ++c) {
+          if (sl[c] < 0) {
+            share[g * C + c] = 0.f;
+            continue;
+          }
+          for (int64_t t = 0; t < T; ++t) page[t] = std::exp(r[c * T + t] * sm_scale - shift);
+          share[g * C + c] = ChainSum(page.data(), T);
+        }
+        const float total = ChainSum(share.data() + g * C, C);
+        const float div = std::max(total, 1e-30f);
+        for (int64_t c = 0; c < C; ++c) share[g * C + c] /= div;
+        // each head's mass on the window, in units of its candidates' mass
+        const float cand_lse = top[g] + std::log(total);
+        const float w = std::exp(std::min(win_lse.typed_data()[bh * G + g] - cand_lse, 80.f));
+        window[g] = std::isnan(w) ? 0.f : w;
+      }
+      std::vector<float> group(C), score(C);
+      for (int64_t c = 0; c < C; ++c) {
+        float sum = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const float x = mass_weight ? share[g * C + c] / (1.f + window[g]) : share[g * C + c];
+          sum = g ? sum + x : x;
+        }
+        group[c] = sum;
+        score[c] = sum > 0 ? sum : -1.f;
+      }
+      TopKScratch scratch;
+      if (floor < 1.f && k < C) {
+        bool sharp[kMaxGroup], any = false;
+        float slack[kMaxGroup];
+        for (int64_t g = 0; g < G; ++g) {
+          float mx = 0.f;
+          for (int64_t c = 0; c < C; ++c) {
+            if (!(group[c] > 0)) share[g * C + c] = 0.f;
+            mx = std::max(mx, share[g * C + c]);
+          }
+          sharp[g] = mx > floor * (1.f + window[g]);
+          any |= sharp[g];
+          slack[g] = slack_share * (1.f + window[g]);
+        }
+        if (any) {  // the candidates' Quest bounds from their int4 codes' ranges
+          std::vector<float> bound(G * C, -inf);
+          const float* qb = q.typed_data() + bh * G * D;
+          float lo[kMaxDim], hi[kMaxDim];
+          for (int64_t c = 0; c < C; ++c) {
+            if (sl[c] < 0) continue;
+            const uint8_t* codes = int4_k.typed_data() + kpool.Page(h, sl[c]);
+            const uint16_t* cen = cp + dpool.Page(h, sl[c]);
+            const uint8_t* rad = rp + dpool.Page(h, sl[c]);
+            uint8_t cmin[kMaxDim], cmax[kMaxDim];
+            std::fill_n(cmin, D, 15);
+            std::fill_n(cmax, D, 0);
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t d = 0; d < half; ++d) {
+                const uint8_t b = codes[t * half + d], a = b & 0xF, z = b >> 4;
+                cmin[d] = std::min(cmin[d], a); cmax[d] = std::max(cmax[d], a);
+                cmin[d + half] = std::min(cmin[d + half], z);
+                cmax[d + half] = std::max(cmax[d + half], z);
+              }
+            for (int64_t d = 0; d < D; ++d) {
+              const float cv = Bf16(cen[d]), rv = kE4m3.v[rad[d]];
+              const float base = cv - rv, step = rv * kInt4Step;
+              lo[d] = base + step * cmin[d];
+              hi[d] = base + step * cmax[d];
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              float pos = 0.f, neg = 0.f;
+              for (int64_t d = 0; d < D; ++d) {
+                const float x = qb[g * D + d] * sm_scale;
+                pos += std::max(x, 0.f) * hi[d];
+                neg += std::min(x, 0.f) * lo[d];
+              }
+              bound[g * C + c] = pos + neg;
+            }
+          }
+          QuestFloor(score, share, sharp, slack, bound, G, C, k, scratch);
+        }
+      }
+      std::vector<int32_t> idx;
+      TopK(score.data(), C, k, idx, scratch);
+      int32_t* ko = kept->typed_data() + bh * k;
+      std::vector<uint8_t> free(C);
+      int64_t n_free = 0;
+      for (int64_t c = 0; c < C; ++c) free[c] = group[c] > 0;
+      for (int64_t i = 0; i < k; ++i) {
+        ko[i] = score[idx[i]] > 0 ? idx[i] : -1;
+        if (ko[i] >= 0) free[ko[i]] = 0;
+      }
+      if (m == 0) return;
+      std::vector<float> prob(C), cdf(C);
+      for (int64_t c = 0; c < C; ++c) {
+        prob[c] = free[c] ? group[c] : 0.f;
+        n_free += free[c];
+      }
+      const float div = std::max(ChainSum(prob.data(), C), 1e-30f);
+      const float nf = static_cast<float>(std::max<int64_t>(n_free, 1));
+      float run = 0.f;
+      for (int64_t c = 0; c < C; ++c) {
+        prob[c] = uniform_share * (static_cast<float>(free[c]) / nf)
+                  + (1.f - uniform_share) * (prob[c] / div);
+        cdf[c] = run += prob[c];
+      }
+      const float u = offsets.typed_data()[bh];
+      int32_t* dout = drawn->typed_data() + bh * m;
+      float* wout = drawn_logw->typed_data() + bh * m;
+      for (int64_t j = 0; j < m; ++j) {
+        const float point = (u + static_cast<float>(j)) / static_cast<float>(m) * cdf[C - 1];
+        int64_t at = std::upper_bound(cdf.begin(), cdf.end(), point) - cdf.begin();
+        at = std::min<int64_t>(at, C - 1);
+        const bool ok = free[at] && prob[at] > 0;
+        dout[j] = ok ? static_cast<int32_t>(at) : -1;
+        wout[j] = ok ? -std::log(static_cast<float>(m) * prob[at]) : 0.f;
+      }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePageScores, PageScoresImpl,
@@ -420,3 +656,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSampleTail, SampleTailImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("n_u")
                                   .Attr<int64_t>("n_s"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseRerank, RerankImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("floor")
+                                  .Attr<float>("slack_share")
+                                  .Attr<float>("uniform_share")
+                                  .Attr<bool>("mass_weight"));

@@ -634,7 +634,7 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, la
 def _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw, layer,
                 sm_scale):
     """`_attend_cold_slots` on the C++ kernels (cpu_kernels/): the window's softmax,
-    the listed pages' logits, the re-rank (the XLA path's), and one kernel for the
+    the listed pages' logits, the re-rank, and one kernel for the
     rest of the arithmetic (`attend_listed`)."""
     from cpu_kernels import ops
     int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
@@ -647,19 +647,14 @@ def _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw, 
         picked = jnp.broadcast_to(jnp.arange(c + n, dtype=jnp.int32), listed.shape)
         logw = jnp.concatenate([jnp.zeros(slots.shape, jnp.float32), sample_logw], axis=-1)
     else:
-        floor = {}
-        if cfg.quest_floor_mass < 1 or cfg.rerank_weight == "mass":
-            floor["window_lse"] = window_part[1]
-        if cfg.quest_floor_mass < 1:
-            # A stacked pool holds its e4m3 radii as their uint8 bits: its bounds read
-            # the layer's view (`state`, whose slices XLA fuses into the gathers).
-            src = ((int4_k, center, radius) if layer is None else
-                   (state.int4_k, state.digest_center, state.digest_radius))
-            pages = candidate_pages(*src, slots)
-            floor["bound"] = lambda: _bounds(qg, *pages, slots)
-        kept, drawn, drawn_logw = rerank(
-            cfg, decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale),
-            state.seq_lens, **floor)
+        # the re-rank in C++ too, with the floor's bounds read from the pool in place
+        kept, drawn, drawn_logw = ops.rerank(
+            raw, slots, window_part[1], qg, int4_k, center, radius,
+            _offsets(cfg, state.seq_lens, _RERANK_KEY, (slots.shape[1],)),
+            k=min(cfg.budget_pages, c), m=cfg.rerank_samples, sm_scale=sm_scale,
+            floor=cfg.quest_floor_mass, slack=QUEST_FLOOR_SLACK,
+            uniform_share=TAIL_UNIFORM_SHARE, mass_weight=cfg.rerank_weight == "mass",
+            layer=layer)
         picked = jnp.concatenate([kept, drawn, jnp.broadcast_to(
             c + jnp.arange(n, dtype=jnp.int32), sample_slots.shape)], axis=-1)
         logw = jnp.concatenate([jnp.zeros(kept.shape, jnp.float32), drawn_logw, sample_logw],

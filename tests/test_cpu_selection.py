@@ -204,3 +204,95 @@ def test_the_decode_step_selects_on_the_kernels():
     assert "top_k" in text["xla"] and "top_k" not in text["cpu"]
     # XLA's searchsorted is a loop; the random offsets' loops remain on both
     assert text["cpu"].count("stablehlo.while") < text["xla"].count("stablehlo.while")
+
+
+def _rerank_case(seed, b=3, h=2, g=3, c=24, n=6, t=16, d=64, pool=40, sharp=True):
+    """Candidates' and samples' int4 logits from a real pool (codes and digests),
+    with one head per group made sharp (one page far above the rest), holes (-1)
+    among the slots, and a window's log-sum-exp at three scales."""
+    from hisparse_jax.attention import candidate_pages
+    rng = np.random.default_rng(seed)
+    int4_k = jnp.asarray(rng.integers(0, 256, (h, pool, t, d // 2)), jnp.uint8)
+    center = jnp.asarray(rng.standard_normal((h, pool, d)), jnp.bfloat16)
+    radius = jnp.asarray(np.abs(rng.standard_normal((h, pool, d))) * 0.5, jnp.float8_e4m3fn)
+    slots = np.stack([np.stack([rng.permutation(pool)[:c + n] for _ in range(h)])
+                      for _ in range(b)]).astype(np.int32)
+    slots[0, 0, 3] = slots[1, 1, c + 1] = -1
+    q = rng.standard_normal((b, h, g, d)).astype(np.float32)
+    if sharp:  # head 0 of every group points at its candidate 5's keys, hard
+        lo = np.asarray(candidate_pages(int4_k, center, radius, jnp.asarray(slots))[1])
+        q[:, :, 0] = 6.0 * lo[:, :, 5]
+    q = jnp.asarray(q)
+    raw = ops.cold_logits(q, int4_k, center, radius, jnp.asarray(slots))
+    wl = jnp.asarray(rng.choice([-5.0, 2.0, 9.0], (b, h, g)), jnp.float32)
+    return q, int4_k, center, radius, jnp.asarray(slots), raw, wl
+
+
+@pytest.mark.parametrize("floor,weight,sharp", [(0.4, "share", True), (0.4, "share", False),
+                                                (1.0, "share", True), (0.4, "mass", True)])
+def test_rerank_keeps_the_pages_xla_keeps(floor, weight, sharp):
+    cfg = BASE.replace(budget_tokens=16 * 10, rerank_multiple=2.4, quest_floor_mass=floor,
+                       rerank_weight=weight)
+    c, scale = 24, 0.125
+    kept_same = drawn_same = total = 0
+    for seed in range(6):
+        q, int4_k, center, radius, slots, raw, wl = _rerank_case(seed, c=c, sharp=sharp)
+        lens = jnp.asarray([3000, 1999, 4000], jnp.int32)
+        cand = slots[..., :c]
+        logits = att.decode_ref.weighted_logits(raw[:, :, :, :c], cand, None, scale)
+        bound = att.candidate_bounds(q, int4_k, center, radius, cand)
+        want = att.rerank(cfg, logits, lens, bound=bound if floor < 1 else None,
+                          window_lse=wl)
+        got = ops.rerank(raw, cand, wl, q, int4_k, center, radius,
+                         att._offsets(cfg, lens, att._RERANK_KEY, (cand.shape[1],)),
+                         k=min(cfg.budget_pages, c), m=cfg.rerank_samples, sm_scale=scale,
+                         floor=floor, slack=att.QUEST_FLOOR_SLACK,
+                         uniform_share=att.TAIL_UNIFORM_SHARE, mass_weight=weight == "mass")
+        w, g_ = [np.asarray(x) for x in want], [np.asarray(x) for x in got]
+        for i in range(w[0].shape[0]):  # kept: the same set (top_k's order within it)
+            for j in range(w[0].shape[1]):
+                kept_same += set(w[0][i, j]) == set(g_[0][i, j])
+                total += 1
+        eq = w[1] == g_[1]
+        drawn_same += eq.all()
+        np.testing.assert_allclose(g_[2][eq], w[2][eq], rtol=1e-4, atol=1e-5)
+    assert kept_same == total
+    assert drawn_same >= 5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rerank_floor_keeps_a_sharp_heads_residual_mass(seed):
+    """tests/test_sharp_heads.py's regression case (window-heavy heads outvote a
+    sharp head for its spread remainder) on the kernel, whose floor reads Quest's
+    bounds from the pool: a pool made so that every head's bound is the case's
+    head-0 bound (channel 0 alone, radius 0), in bf16-exact steps. The kernel keeps
+    the same candidates as XLA's re-rank, at least Quest's mass for the sharp head;
+    without the floor, less."""
+    from tests.test_sharp_heads import _residual_mass_case
+    logits, _, window, quest, share = _residual_mass_case(seed)
+    c, t, d, scale = 40, 16, 64, 0.125
+    b0 = np.concatenate([[12.0], 10.0 - np.arange(30) * 0.0625, 6.0 - np.arange(9) * 0.03125])
+    center = np.zeros((1, c, d), np.float32)
+    center[0, :, 0] = b0
+    q = np.zeros((1, 1, 3, d), np.float32)
+    q[..., 0] = 1.0 / scale                    # scaled: 1, so the bound is the centre
+    pool = (jnp.zeros((1, c, t, d // 2), jnp.uint8), jnp.asarray(center, jnp.bfloat16),
+            jnp.zeros((1, c, d), jnp.float8_e4m3fn))
+    slots = jnp.arange(c, dtype=jnp.int32)[None, None]
+    bound = att.candidate_bounds(jnp.asarray(q), *pool, slots)
+    np.testing.assert_array_equal(np.asarray(bound)[0, 0, 0], b0.astype(np.float32))
+    cfg = HiSparseConfig(num_kv_heads=1, gqa_group=3, page_size=16, budget_tokens=31 * 16)
+    lens = jnp.array([8000])
+    mass = lambda kept: share[0, kept[kept >= 0]].sum()
+    kept = {}
+    for floor in (cfg.quest_floor_mass, 1.0):
+        got = ops.rerank(logits / scale, slots, window, jnp.asarray(q), *pool,
+                         att._offsets(cfg, lens, att._RERANK_KEY, (1,)), k=31,
+                         m=cfg.rerank_samples, sm_scale=scale, floor=floor,
+                         slack=att.QUEST_FLOOR_SLACK, uniform_share=att.TAIL_UNIFORM_SHARE,
+                         mass_weight=False)
+        want = att.rerank(cfg.replace(quest_floor_mass=floor), logits, lens, bound, window)
+        kept[floor] = np.asarray(got[0])[0, 0]
+        assert set(kept[floor]) == set(np.asarray(want[0])[0, 0])
+    assert mass(kept[cfg.quest_floor_mass]) >= share[0, quest].sum() * (1 - 1e-6)
+    assert mass(kept[1.0]) < share[0, quest].sum() - 0.01
