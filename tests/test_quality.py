@@ -107,8 +107,8 @@ def test_random_pages_fail(case, monkeypatch):
 
     real_select = attention._select
 
-    def random_select(cfg_, state, q, implementation):
-        _, mass = real_select(cfg_, state, q, implementation)  # the tail sample stays
+    def random_select(cfg_, state, q, implementation, stacked=None):
+        _, mass = real_select(cfg_, state, q, implementation, stacked)  # the tail sample stays
         pages = rng.choice(n_cold, size=(q.shape[0], cfg_.num_kv_heads, cfg_.budget_pages))
         return jax.numpy.asarray(pages + cfg_.sink_pages, jax.numpy.int32), mass
     monkeypatch.setattr(attention, "_select", random_select)
