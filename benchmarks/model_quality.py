@@ -45,7 +45,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hisparse_jax import attention as att
-from hisparse_jax.config import FULL_BUDGET
+from hisparse_jax.config import FULL_BUDGET, resolve_implementation
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.prompts import passkey_hit, passkey_ids
 from hisparse_jax.models.registry import load
@@ -293,6 +293,8 @@ def run_nexttoken(model, tok, args, out):
     for name, kw in list(cfgs.items()):
         if args.set and kw.get("attention") == "hisparse":
             kw["cache_overrides"] = {**kw.get("cache_overrides", {}), **args.set}
+        if args.implementation and kw.get("attention") == "hisparse":
+            kw["implementation"] = args.implementation
         if name.startswith("1/"):
             for select in REFERENCE_SELECTIONS:
                 cfgs[f"{select}-{name}"] = {"select": select, **kw}
@@ -336,7 +338,10 @@ def run_nexttoken(model, tok, args, out):
                   file=out, flush=True)
         summary[cname] = {"top1_agreement": round(agree.mean(), 5),
                           "mean_kl_nats": round(kl.mean(), 6), "positions": int(agree.size),
-                          "decode_s": round(secs, 1)}
+                          "decode_s": round(secs, 1),
+                          **({"implementation": resolve_implementation(eng.implementation,
+                                                                       eng.cache_cfg)}
+                             if eng.cache_cfg is not None else {})}
         log(f"{cname}: {summary[cname]}")
         del eng
     return summary
@@ -376,6 +381,8 @@ def main(argv=None):
                    type=_field_value,
                    help="HiSparse cache overrides (e.g. tail_sample_pages=0; passkey: the "
                         "1/F budgets, not sink + window)")
+    p.add_argument("--implementation", choices=("cpu", "xla", "pallas"), default=None,
+                   help="nexttoken: the HiSparse decode's kernels (default: the platform's)")
     p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
                    help="e.g. llama3:4 or linear:2 (trained length: the model's)")
     p.add_argument("--seed", type=int, default=0)

@@ -296,3 +296,31 @@ def test_rerank_floor_keeps_a_sharp_heads_residual_mass(seed):
         assert set(kept[floor]) == set(np.asarray(want[0])[0, 0])
     assert mass(kept[cfg.quest_floor_mass]) >= share[0, quest].sum() * (1 - 1e-6)
     assert mass(kept[1.0]) < share[0, quest].sum() - 0.01
+
+
+def test_on_a_real_cache_the_kernels_attend_the_pages_xla_attends():
+    """SmolLM2's caches after a real text (GPL-3's opening, 3K tokens, and the same
+    reversed), every layer, queries made peaky from a key of the hot window: the
+    C++ selection and re-rank attend exactly XLA's pages, and the outputs agree
+    within the kernels' rounding."""
+    from models_fixtures import smollm2
+
+    from hisparse_jax.models.engine import Engine
+    m, tok = smollm2()
+    ids = np.asarray(tok.encode(open("/usr/share/common-licenses/GPL-3").read()))[:3072]
+    e = Engine(m, max_seqs=2, max_context=3200, budget_tokens=192)
+    e.prefill(0, ids)
+    e.prefill(1, ids[::-1].copy())
+    for _ in range(4):
+        e.decode_step()
+    cfg = e.cache_cfg
+    rng = np.random.default_rng(0)
+    step = jax.jit(att.decode_step, static_argnames=("cfg", "implementation"))
+    for layer in range(m.cfg.num_layers):
+        view = st.layer_view(cfg, e.caches, layer)
+        k = np.asarray(view.bf16_k, np.float32)[:, :, 5]
+        q = np.repeat(k, cfg.gqa_group, axis=1) * 2 + rng.standard_normal((2, 9, 64)) * 0.5
+        (xo, xp, _), (co, cp, _) = (step(cfg, view, jnp.asarray(q, jnp.float32),
+                                         implementation=i) for i in ("xla", "cpu"))
+        np.testing.assert_array_equal(np.asarray(cp), np.asarray(xp), err_msg=f"layer {layer}")
+        np.testing.assert_allclose(np.asarray(co), np.asarray(xo), rtol=1e-4, atol=2e-4)
