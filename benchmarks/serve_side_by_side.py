@@ -207,6 +207,7 @@ def main():
     from hisparse_jax.models.registry import fetch
     gguf = str(fetch("smollm2-135m"))
     conc = [int(c) for c in a.concurrency.split(",")]
+    os.makedirs(a.log_dir, exist_ok=True)
     log_path = lambda name: os.path.join(a.log_dir, f"serve_{name}.log")
     for name in a.servers.split(","):
         port = free_port()
