@@ -18,6 +18,7 @@ A sequence's numbers never depend on the batch or on NaN in another sequence.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -307,7 +308,8 @@ def test_on_a_real_cache_the_kernels_attend_the_pages_xla_attends():
 
     from hisparse_jax.models.engine import Engine
     m, tok = smollm2()
-    ids = np.asarray(tok.encode(open("/usr/share/common-licenses/GPL-3").read()))[:3072]
+    text = pathlib.Path("/usr/share/common-licenses/GPL-3").read_text()
+    ids = np.asarray(tok.encode(text))[:3072]
     e = Engine(m, max_seqs=2, max_context=3200, budget_tokens=192)
     e.prefill(0, ids)
     e.prefill(1, ids[::-1].copy())
