@@ -39,7 +39,6 @@ namespace {
 using namespace hisparse_cpu;  // NOLINT
 
 constexpr int64_t kKeyBlock = 64;  // keys per online-softmax step: four 16-key tiles
-constexpr int64_t kMaxDim = 256;
 
 #if HISPARSE_AMX
 // Linux gives a process AMX's tile state only when asked (ARCH_REQ_XCOMP_PERM for

@@ -20,6 +20,11 @@ namespace hisparse_cpu {
 
 namespace ffi = xla::ffi;
 
+// The kernels' fixed buffers (build.unsupported says so to callers).
+constexpr int64_t kMaxDim = 256;   // head_dim
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr float kInt4Step = static_cast<float>(2.0 / 15.0);  // int4 codes: INT4_LEVELS = 15
+
 inline float Bf16(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;

@@ -29,14 +29,11 @@ namespace {
 
 using namespace hisparse_cpu;  // NOLINT
 
-constexpr int64_t kMaxDim = 256;
-constexpr int64_t kMaxGroup = 16;
-constexpr float kInt4Step = static_cast<float>(2.0 / 15.0);  // INT4_LEVELS = 15
 
 // rows [B,H,G,D] bf16 (the query scaled by 1/sqrt(D), rounded to bf16 as the
 // reference rounds it); center [L,H,P,D] bf16; radius [L,H,P,D] e4m3 (or its
 // bits as u8); table [B,N] s32 (-1: not a candidate); layer s32[]
-// -> bound [B,H,G,N] f32 = rows.c + |rows|.r, center [B,H,N] f32 = the group's
+// -> bound [B,H,G,N] f32 = rows.c + |rows|.r, mass [B,H,N] f32 = the group's
 // log estimated mass: log sum_g softmax_n(rows_g.c_n); -inf where table < 0.
 ffi::Error PageScoresImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> rows,
                           ffi::Buffer<ffi::BF16> center, ffi::AnyBuffer radius,
@@ -159,6 +156,16 @@ ffi::Error PageScoresImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> rows,
   return ffi::Error::Success();
 }
 
+// The group's maximum of x [G][N] at page n, NaN if any is (jnp.max over the heads).
+inline float GroupMax(const float* x, int64_t G, int64_t N, int64_t n) {
+  float m = x[n];
+  for (int64_t g = 1; g < G && !std::isnan(m); ++g) {
+    const float y = x[g * N + n];
+    m = std::isnan(y) || y > m ? y : m;
+  }
+  return m;
+}
+
 // The key jax.lax.top_k orders floats by (IEEE total order: NaN above inf, -NaN
 // below -inf, -0 below +0).
 inline int32_t OrderKey(float x) {
@@ -257,15 +264,8 @@ ffi::Error RankPagesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> bound,
       TopKScratch keys;
       std::vector<Entry> entries;  // in the order of XLA's concatenation
       if (quest) {
-        std::vector<float> top(N);  // the group's maximum bound (NaN if any is)
-        for (int64_t n = 0; n < N; ++n) {
-          float m = bo[n];
-          for (int64_t g = 1; g < G && !std::isnan(m); ++g) {
-            const float x = bo[g * N + n];
-            m = std::isnan(x) || x > m ? x : m;
-          }
-          top[n] = m;
-        }
+        std::vector<float> top(N);  // plain Quest's scores
+        for (int64_t n = 0; n < N; ++n) top[n] = GroupMax(bo, G, N, n);
         TopK(top.data(), N, k, idx, keys);
         const int32_t use = lead.typed_data()[bh];
         for (int64_t i = 0; i < k; ++i) {
@@ -319,6 +319,22 @@ ffi::Error RankPagesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> bound,
   return ffi::Error::Success();
 }
 
+// Sums in the reference's order (attention.row_sum: a chain of adds, or a
+// cumulative sum's last element; both left to right).
+inline float ChainSum(const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s;
+}
+
+// Draw d of `draws` systematic draws with offset u from cdf [n] (not normalized),
+// as attention._systematic: the first entry whose cdf passes the point.
+inline int64_t SystematicDraw(const std::vector<float>& cdf, float u, int64_t d, int64_t draws) {
+  const float point = (u + static_cast<float>(d)) / static_cast<float>(draws) * cdf.back();
+  const int64_t at = std::upper_bound(cdf.begin(), cdf.end(), point) - cdf.begin();
+  return std::min<int64_t>(at, static_cast<int64_t>(cdf.size()) - 1);
+}
+
 // mass [B,H,N] f32 (log estimated mass, -inf: not a candidate), pages [B,H,K] s32
 // (the selection, -1: none), u [B,2,H] f32 (the two samples' offsets) ->
 // idx [B,H,n_u+n_s] s32 (-1: none), logw [B,H,n_u+n_s] f32:
@@ -356,9 +372,7 @@ ffi::Error SampleTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mass,
         if (free[i] && m[i] > top) top = m[i];
       const float shift = std::isfinite(top) ? top : 0.f;
       for (int64_t i = 0; i < N; ++i) share[i] = free[i] ? std::exp(m[i] - shift) : 0.f;
-      float total = 0.f;  // row_sum's order: a cumulative sum's last element
-      for (int64_t i = 0; i < N; ++i) total += share[i];
-      total = std::max(total, 1e-30f);
+      const float total = std::max(ChainSum(share.data(), N), 1e-30f);
       run = 0.f;
       for (int64_t i = 0; i < N; ++i) {
         share[i] /= total;
@@ -373,9 +387,7 @@ ffi::Error SampleTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mass,
         const std::vector<float>& c = s == 0 ? cand_cdf : cdf;
         const float u = offsets.typed_data()[(b * 2 + s) * H + h];
         for (int64_t d = 0; d < draws; ++d, ++j) {
-          const float point = (u + static_cast<float>(d)) / static_cast<float>(draws) * c[N - 1];
-          int64_t at = std::upper_bound(c.begin(), c.end(), point) - c.begin();
-          at = std::min<int64_t>(at, N - 1);
+          const int64_t at = SystematicDraw(c, u, d, draws);
           const float expected = static_cast<float>(n_u * free[at]) / cands
                                  + static_cast<float>(n_s) * share[at];
           const bool ok = free[at] && expected > 0;
@@ -385,14 +397,6 @@ ffi::Error SampleTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mass,
       }
   });
   return ffi::Error::Success();
-}
-
-// Chain sums in the reference's order (attention.row_sum: a chain of adds, or a
-// cumulative sum's last element; both run left to right here).
-inline float ChainSum(const float* x, int64_t n, int64_t stride = 1) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s = i ? s + x[i * stride] : x[0];
-  return s;
 }
 
 // attention._quest_floor for one group: score [C] (-1: not valid) with every page
@@ -406,9 +410,7 @@ void QuestFloor(std::vector<float>& score, const std::vector<float>& share, cons
   std::vector<uint8_t> valid(C);
   for (int64_t c = 0; c < C; ++c) {
     valid[c] = score[c] > 0;
-    float m = bound[c];
-    for (int64_t g = 1; g < G && !std::isnan(m); ++g)
-      m = std::isnan(bound[g * C + c]) || bound[g * C + c] > m ? bound[g * C + c] : m;
+    const float m = GroupMax(bound.data(), G, C, c);
     qb[c] = valid[c] && !std::isnan(m) ? m : -inf;
   }
   std::vector<int32_t> order_s, order_q;
@@ -418,15 +420,14 @@ void QuestFloor(std::vector<float>& score, const std::vector<float>& share, cons
   for (int64_t i = 0; i < C; ++i) rank_s[order_s[i]] = static_cast<int32_t>(i);
   std::vector<uint8_t> member(C), best_member(C);
   std::vector<float> mass0(G), mass(G);
-  float best_total = 0.f;
-  bool have = false;
+  float best_total = -inf;  // j = 0 (Quest's set) always qualifies: total >= 0
   for (int64_t j = 0; j <= k; ++j) {
     int64_t fill = 0;
     for (int64_t c = 0; c < C; ++c) member[c] = valid[c] && rank_s[c] < j;
     for (int64_t i = 0; i < C && fill < k - j; ++i) {
       const int32_t c = order_q[i];
       if (valid[c] && !member[c]) {
-        member[c] = 2;
+        member[c] = 1;
         ++fill;
       }
     }
@@ -439,10 +440,9 @@ void QuestFloor(std::vector<float>& score, const std::vector<float>& share, cons
     bool ok = true;
     for (int64_t g = 0; g < G; ++g) ok &= mass[g] >= mass0[g] - slack[g] || !sharp[g];
     const float total = ok ? ChainSum(mass.data(), G) : -1.f;
-    if (!have || total >= best_total) {  // on ties the larger j
+    if (total >= best_total) {  // on ties the larger j
       best_total = total;
       best_member = member;
-      have = true;
     }
   }
   for (int64_t c = 0; c < C; ++c)
@@ -610,9 +610,7 @@ ffi::Error RerankImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> raw, ffi::Buff
       int32_t* dout = drawn->typed_data() + bh * m;
       float* wout = drawn_logw->typed_data() + bh * m;
       for (int64_t j = 0; j < m; ++j) {
-        const float point = (u + static_cast<float>(j)) / static_cast<float>(m) * cdf[C - 1];
-        int64_t at = std::upper_bound(cdf.begin(), cdf.end(), point) - cdf.begin();
-        at = std::min<int64_t>(at, C - 1);
+        const int64_t at = SystematicDraw(cdf, u, j, m);
         const bool ok = free[at] && prob[at] > 0;
         dout[j] = ok ? static_cast<int32_t>(at) : -1;
         wout[j] = ok ? -std::log(static_cast<float>(m) * prob[at]) : 0.f;

@@ -25,9 +25,6 @@ namespace {
 
 using namespace hisparse_cpu;  // NOLINT
 
-constexpr int64_t kMaxDim = 256;
-constexpr int64_t kMaxGroup = 16;
-constexpr float kInt4Step = static_cast<float>(2.0 / 15.0);  // INT4_LEVELS = 15
 
 
 // q [B,H,G,D] f32; int4_k [L,H,P,T,D/2] u8 (dims [0,D/2) in the low nibble, [D/2,D)
