@@ -14,6 +14,8 @@ Variants (each one jitted program over all layers, caches donated, as the engine
 - `select_only`: + `append_layer` and `select` (the pages the step would read);
 - `hisparse_cpu`: `hisparse` on the C++ kernels (`implementation="cpu"`), where
   they build.
+Every variant's weight products are `--products`' (default: the engine's,
+`config.resolve_products`: the AMX kernel where the CPU has AMX-BF16).
 The cache is filled with `context` tokens by the engine's own prefill first.
 Prints one JSON line per (batch, variant): median ms per step over `--repeats`.
 
@@ -38,13 +40,14 @@ from flax import nnx
 from cpu_kernels import build as cpu_build
 from hisparse_jax import attention as att
 from hisparse_jax import state as st
+from hisparse_jax.config import resolve_products
 from hisparse_jax.models import engine as eng
 from hisparse_jax.models.registry import load
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "variant"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "variant", "products"),
                    donate_argnames="caches")
-def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant):
+def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant, products):
     model = nnx.merge(graphdef, params)
 
     def attend(caches, layer, q, k, v):
@@ -68,8 +71,8 @@ def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant):
         return out, caches.replace(
             last_selected=caches.last_selected.at[layer].set(after.last_selected))
 
-    x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
-    return model.logits(x).argmax(-1), caches
+    x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend, products=products)
+    return model.logits(x, products=products).argmax(-1), caches
 
 
 def state_loop(context: int, layers: int, repeats: int, num_kv_heads=3, head_dim=64):
@@ -111,6 +114,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--budget-tokens", type=int, default=None, help="default: context / 16")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--products", choices=["cpu", "xla"], default=resolve_products(None),
+                   help="the weight products' implementation (default: the engine's)")
     p.add_argument("--state-loop", action="store_true",
                    help="time the cache updates alone in a 30-layer loop (no model)")
     args = p.parse_args(argv)
@@ -141,7 +146,7 @@ def main(argv=None):
                 t = time.perf_counter()
                 tok, e.caches = _step(e.params, e.caches, jnp.asarray(e.tokens), lens,
                                       jnp.ones(batch, bool), graphdef=e.graphdef,
-                                      hcfg=e.cache_cfg, variant=v)
+                                      hcfg=e.cache_cfg, variant=v, products=args.products)
                 tok.block_until_ready()
                 if r >= 2:
                     times[v].append(time.perf_counter() - t)
@@ -150,6 +155,7 @@ def main(argv=None):
         for v, ts in times.items():
             print(json.dumps({"model": args.model, "context": args.context, "batch": batch,
                               "budget_tokens": budget, "variant": v,
+                              "products": args.products,
                               "ms_per_step": round(1e3 * float(np.median(ts)), 1),
                               "ms_p10_p90": [round(1e3 * float(np.quantile(ts, q)), 1)
                                              for q in (0.1, 0.9)],

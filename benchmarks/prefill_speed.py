@@ -82,7 +82,7 @@ def main(argv=None):
         if n % 512:
             p.error(f"--tokens {n}: not a multiple of 512")
         ids = jnp.asarray(prompt(tok, model.cfg.vocab_size, n), jnp.int32)
-        names = [a for a in args.attention if a != "amx_kernel" or not build.prefill_unavailable()]
+        names = [a for a in args.attention if a != "amx_kernel" or not build.amx_unavailable()]
         runs = {name: forward(model, ATTENTIONS[name]) for name in names}
         logits = {name: np.asarray(f(ids)) for name, f in runs.items()}  # compile
         times = {name: [] for name in runs}

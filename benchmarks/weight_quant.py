@@ -34,7 +34,7 @@ from model_quality import DOCS, _open_doc, exact_logprobs
 from hisparse_jax.models import llama
 from hisparse_jax.models.registry import load
 
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+MATRICES = llama.MATRICES
 
 
 def _pad_rows(x):
@@ -89,8 +89,9 @@ class QuantBlock(llama.Block):
             setattr(self, name, nnx.Param(codes))
             setattr(self, name + "_scale", nnx.Param(scale))
 
-    def product(self, x, name):
-        return VARIANTS[self.kind](x, getattr(self, name)[...], getattr(self, name + "_scale")[...])
+    def product(self, x, name, layer, products="xla"):
+        return VARIANTS[self.kind](x, getattr(self, name)[...][layer],
+                                   getattr(self, name + "_scale")[...][layer])
 
 
 def quantized(model, kind: str):

@@ -1,4 +1,5 @@
-"""Compile the kernels (`sparse_decode.cc`, `selection.cc`, `causal_attention.cc`)
+"""Compile the kernels (`sparse_decode.cc`, `selection.cc`, `causal_attention.cc`,
+`matmul.cc`)
 into one library once per machine, on first use, and register its handlers with XLA.
 
 The library goes to `$HISPARSE_HOME/cpu_kernels/<key>/` (default
@@ -24,7 +25,8 @@ import jax
 import jaxlib
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "sparse_decode.cc", HERE / "selection.cc", HERE / "causal_attention.cc")
+SOURCES = (HERE / "sparse_decode.cc", HERE / "selection.cc", HERE / "causal_attention.cc",
+           HERE / "matmul.cc")
 HEADERS = (HERE / "common.h",)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # FFI target name -> the handler's symbol in the library
@@ -35,11 +37,12 @@ TARGETS = {"hisparse_cold_logits": "HisparseColdLogits",
            "hisparse_rank_pages": "HisparseRankPages",
            "hisparse_sample_tail": "HisparseSampleTail",
            "hisparse_rerank": "HisparseRerank",
-           "hisparse_causal_attention": "HisparseCausalAttention"}
+           "hisparse_causal_attention": "HisparseCausalAttention",
+           "hisparse_matmul": "HisparseMatmul"}
 
 _lock = threading.Lock()
 _why_not: list[str | None] = []  # [] = not tried yet; [None] = loaded; [reason]
-_amx: list[bool] = []  # the causal-attention kernel runs here (set by _load)
+_amx: list[bool] = []  # the AMX kernels run here (set by _load)
 
 
 def _home() -> pathlib.Path:
@@ -107,9 +110,10 @@ def unavailable() -> str | None:
         return _why_not[0]
 
 
-def prefill_unavailable() -> str | None:
-    """None where the prefill's causal-attention kernel runs (it needs AMX-BF16:
-    Intel Xeon since Sapphire Rapids), else why not."""
+def amx_unavailable() -> str | None:
+    """None where the AMX kernels (the prefill's causal attention, the decode's
+    weight products) run: they need AMX-BF16, Intel Xeon since Sapphire Rapids.
+    Else why not."""
     why = unavailable()
     if why:
         return why

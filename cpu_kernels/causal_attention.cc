@@ -24,14 +24,6 @@
 
 #include "common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define HISPARSE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define HISPARSE_AMX 0
-#endif
-
 namespace ffi = xla::ffi;
 
 namespace {
@@ -41,23 +33,6 @@ using namespace hisparse_cpu;  // NOLINT
 constexpr int64_t kKeyBlock = 64;  // keys per online-softmax step: four 16-key tiles
 
 #if HISPARSE_AMX
-// Linux gives a process AMX's tile state only when asked (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); the grant covers all its threads.
-bool AmxReady() {
-  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ready;
-}
-
-// Eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 the A operand, 5-7 B.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
-
 // 16 floats -> bf16 bits (RNE), and those bf16 back as floats.
 inline __m256i RoundBf16(__m512 x, __m512* back) {
   const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
@@ -121,7 +96,7 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
   std::memset(acc, 0, sizeof(float) * 16 * D);
   const __m512i posv = _mm512_load_si512(pos);
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
-  const TileConfig cfg;
+  const TileConfig cfg;  // eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 A, 5-7 B
   _tile_loadconfig(&cfg);
   const int64_t blocks = pos[15] / kKeyBlock + 1;
   for (int64_t kb = 0; kb < blocks; ++kb) {

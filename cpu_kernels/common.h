@@ -1,4 +1,5 @@
-// Helpers shared by the CPU kernels (sparse_decode.cc, causal_attention.cc).
+// Helpers shared by the CPU kernels (sparse_decode.cc, selection.cc,
+// causal_attention.cc, matmul.cc).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,14 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HISPARSE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HISPARSE_AMX 0
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -31,6 +40,25 @@ inline float Bf16(uint16_t bits) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+
+#if HISPARSE_AMX
+// Linux gives a process AMX's tile state only when asked (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); the grant covers all its threads.
+inline bool AmxReady() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// An AMX tile configuration: eight tiles of 16 rows x 64 bytes unless changed.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+#endif
 
 // body(i) for i in [0, n) on XLA's intra-op threads and the caller's. Units are
 // claimed from a shared counter, and the caller waits only for units that other

@@ -163,12 +163,12 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
 
 
 def causal_attention(q, k, v, start, *, sm_scale=None):
-    """`reference.causal_attention` on AMX tiles (`build.prefill_unavailable` says
+    """`reference.causal_attention` on AMX tiles (`build.amx_unavailable` says
     where it runs): q [T, Hq, D] at positions start.., k, v [S, Hkv, D] bf16 ->
     [T, Hq, D] float32. Within 1e-5 of the float32 reference (its queries split
     into three bf16 terms, its probabilities into two); a query's output does not
     depend on the other queries in the call."""
-    why = build.prefill_unavailable()
+    why = build.amx_unavailable()
     if why:
         raise RuntimeError(why)
     d = q.shape[-1]
@@ -177,3 +177,30 @@ def causal_attention(q, k, v, start, *, sm_scale=None):
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
         jnp.asarray(start, jnp.int32), sm_scale=np.float32(scale))
+
+
+MATMUL_MAX_ROWS = 16  # matmul.cc's kMaxRows: x's rows fill the columns of one tile
+
+
+def matmul_unsupported(rows: int, k: int, n: int) -> str | None:
+    """Why `matmul` cannot take x [rows, k] and weights of n outputs (None if it can)."""
+    if not 1 <= rows <= MATMUL_MAX_ROWS:
+        return f"at most {MATMUL_MAX_ROWS} rows, got {rows}"
+    if k % 32 or n % 16:
+        return f"inputs a multiple of 32 and outputs of 16, got {k} and {n}"
+    return None
+
+
+def matmul(x, w, layer=None):
+    """`reference.matmul` on AMX tiles (`build.amx_unavailable` says where it runs):
+    x [M, K] (M <= 16) times w [N, K], or w[layer] of stacked weights [L, N, K] read
+    in place, transposed -> [M, N] float32. The same products summed in the same
+    order as XLA:CPU's bf16 dot here (bit-equal in tests/test_cpu_matmul.py); each
+    row's result is independent of the other rows."""
+    why = build.amx_unavailable() or matmul_unsupported(x.shape[0], x.shape[1], w.shape[-2])
+    if why:
+        raise RuntimeError(why)
+    w, layer = (w[None], 0) if layer is None else (w, layer)
+    return jax.ffi.ffi_call("hisparse_matmul",
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))(
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.asarray(layer, jnp.int32))

@@ -26,3 +26,12 @@ def causal_attention(q, k, v, start, *, sm_scale=None):
     out = jnp.einsum("hgts,shd->thgd", p, v.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     return out.reshape(t, hq, d)
+
+
+def matmul(x, w, layer=None):
+    """A weight product: x [M, K] times w [N, K] (layer None) or w[layer] of stacked
+    weights [L, N, K], transposed -> [M, N] float32. x is rounded to bf16 and the
+    products of bf16 are summed in float32, as the model's XLA products do."""
+    wl = w if layer is None else w[layer]
+    return jax.lax.dot_general(x.astype(jnp.bfloat16), wl.astype(jnp.bfloat16),
+                               (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -53,18 +53,33 @@ def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) ->
     return implementation
 
 
+def _amx_kernels(implementation) -> bool:
+    """The AMX kernels apply: `implementation` None or "cpu", the CPU backend, and
+    a CPU (and OS) that gives AMX-BF16 tiles (`cpu_kernels.build.amx_unavailable`)."""
+    if implementation not in (None, "cpu"):
+        return False
+    import jax
+    if jax.default_backend() != "cpu":
+        return False
+    from cpu_kernels import build
+    return build.amx_unavailable() is None
+
+
 def resolve_prefill(implementation, head_dim: int) -> str:
     """The exact prefill attention's implementation: "cpu", the AMX kernel
-    (cpu_kernels/causal_attention.cc), where `implementation` is None or "cpu", the
-    backend is the CPU, the CPU has AMX-BF16 and head_dim is a multiple of 64 (at
-    most 256); "xla" (`attention.causal_prefill_attention`) otherwise."""
-    if implementation not in (None, "cpu"):
-        return "xla"
-    import jax
-    if jax.default_backend() != "cpu" or head_dim % 64 or head_dim > 256:
-        return "xla"
-    from cpu_kernels import build
-    return "xla" if build.prefill_unavailable() else "cpu"
+    (cpu_kernels/causal_attention.cc), where the AMX kernels apply (`_amx_kernels`)
+    and head_dim is a multiple of 64 (at most 256); "xla"
+    (`attention.causal_prefill_attention`) otherwise."""
+    ok = _amx_kernels(implementation) and head_dim % 64 == 0 and head_dim <= 256
+    return "cpu" if ok else "xla"
+
+
+def resolve_products(implementation) -> str:
+    """The model's weight products with few rows (a decode step's): "cpu", the AMX
+    kernel reading stacked weights in place (cpu_kernels/matmul.cc), where the AMX
+    kernels apply (`_amx_kernels`); "xla" otherwise. Products of more rows (a
+    prefill's) are XLA's either way (`models.llama.matmul`)."""
+    return "cpu" if _amx_kernels(implementation) else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

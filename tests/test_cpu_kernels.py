@@ -251,7 +251,7 @@ def test_without_a_compiler_the_default_is_xla_and_naming_the_kernels_says_why(t
         why = build.unavailable()
         assert why and "no C++ compiler" in why, why
         assert resolve_implementation(None, HiSparseConfig()) == "xla"
-        assert "no C++ compiler" in build.prefill_unavailable()
+        assert "no C++ compiler" in build.amx_unavailable()
         from hisparse_jax.config import resolve_prefill
         assert resolve_prefill(None, 64) == "xla"
         try:

@@ -114,7 +114,7 @@ def test_which_prefill_runs(implementation, head_dim, want):
     """The kernel where it can run (the default, and with the decode kernels), XLA's
     blocks everywhere else; a CPU without AMX says why."""
     assert resolve_prefill(implementation, head_dim) == want
-    why = build.prefill_unavailable()
+    why = build.amx_unavailable()
     assert (why is None) == AMX
     if not AMX:
         with pytest.raises(RuntimeError, match="AMX|compiler"):

@@ -4,6 +4,7 @@ programs, and sampling, on tiny random models."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from models_fixtures import bf16, hf_weights, model_weights, reference_logits, tiny_config
 
+from hisparse_jax.config import resolve_products
 from hisparse_jax.models import engine as eng
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import (
@@ -46,20 +48,26 @@ def test_rms_norm_of_a_row_does_not_depend_on_the_batch(rows):
                                       np.asarray(f(x, w))[:rows])
 
 
-@pytest.mark.parametrize(("rows", "shape"), [(1, (576, 1536)), (2, (576, 192)), (3, (1536, 576)),
-                                           (2, (576, 49152)), (5, (576, 576))])
-def test_matmul_of_a_row_does_not_depend_on_the_batch(rows, shape):
+@pytest.mark.parametrize("products", ["xla", "cpu"])
+@pytest.mark.parametrize(("rows", "shape"), [(1, (1536, 576)), (2, (192, 576)), (3, (576, 1536)),
+                                           (2, (49152, 576)), (5, (576, 576))])
+def test_matmul_of_a_row_does_not_depend_on_the_batch(rows, shape, products):
     """A row's product is bit-equal in any batch (XLA:CPU sums 1 or 2 rows in
     another order than 3 or more; before the padding to 4 rows 466 of 576 outputs
-    of one row differed from the same row in a 16-row batch)."""
+    of one row differed from the same row in a 16-row batch), in XLA and on the AMX
+    kernel, and the kernel's equals XLA's. Weights [out, in]; a stacked layer too."""
+    if products == "cpu" and resolve_products(None) != "cpu":
+        pytest.skip("the AMX kernels do not run here")
     rng = np.random.default_rng(rows)
     w = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
-    f = jax.jit(matmul)
-    x = jnp.asarray(rng.standard_normal((16, shape[0])), jnp.float32)
+    f = jax.jit(functools.partial(matmul, products=products))
+    x = jnp.asarray(rng.standard_normal((16, shape[1])), jnp.float32)
     np.testing.assert_array_equal(np.asarray(f(x[:rows], w)), np.asarray(f(x, w))[:rows])
-    wt = jnp.asarray(w.T)  # the tied output projection's layout
-    g = jax.jit(lambda x, w: matmul(x, w, transposed=True))
-    np.testing.assert_array_equal(np.asarray(g(x[:rows], wt)), np.asarray(g(x, wt))[:rows])
+    stacked = jnp.stack([w[::-1], w, -w])
+    g = jax.jit(lambda x, w, layer: matmul(x, w, layer, products=products))
+    np.testing.assert_array_equal(np.asarray(g(x[:rows], stacked, 1)), np.asarray(f(x, w))[:rows])
+    xla = jax.jit(matmul)
+    np.testing.assert_array_equal(np.asarray(f(x[:rows], w)), np.asarray(xla(x[:rows], w)))
 
 
 def _model(cfg, seed=0):

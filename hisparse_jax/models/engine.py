@@ -15,7 +15,9 @@ cache of the same tokens (the baseline).
 A decode step is one jitted program for all layers and slots (a `lax.scan` over
 the layers, no host sync inside); the caches are donated and carried through the
 scan, and each layer writes only what changes at its layer index, so XLA updates
-them in place. The only host sync is reading the sampled tokens back.
+them in place. The only host sync is reading the sampled tokens back. Its weight
+products read each layer's weights in place on AMX tiles where the CPU has them
+(`cpu_kernels/matmul.cc`, `config.resolve_products`).
 
 Prefix sharing (HiSparse): every prompt's full cold pages go into one
 `PrefixIndex` for all layers (an entry's pages are one global id per layer,
@@ -49,7 +51,7 @@ from hisparse_jax import attention as att
 from hisparse_jax import layout, scheduler
 from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
-from hisparse_jax.config import HiSparseConfig, preset, resolve_prefill
+from hisparse_jax.config import HiSparseConfig, preset, resolve_prefill, resolve_products
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import (
     GREEDY,
@@ -132,11 +134,11 @@ def _exact_attention(q, k, v, start, chunk: int, prefill: str):
     return att.query_rows_back(out, chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "offload",
-                                             "prefill"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
+                                             "offload", "prefill"),
                    donate_argnames="caches")
 def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
-             implementation, offload=False, prefill="xla"):
+             implementation, products, offload=False, prefill="xla"):
     """One slot's prompt ids [Tp] (the first `length` real, the rest padding) ->
     (first generated token [], its logits [V], caches). shared [L, Tp / page]:
     pool pages the prompt references instead of storing (-1: none). offload: the
@@ -170,8 +172,9 @@ def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
                {f: codes[f].at[layer].set(codes_l[f]) for f in codes})
         return out, (caches, new)
 
-    x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend)
-    logits = model.logits(x[length - 1][None])
+    x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend,
+                             products=products)
+    logits = model.logits(x[length - 1][None], products=products)
     tok = sample_slots(logits, length[None], samp)
     if offload:
         return tok[0], logits[0], caches[0], *caches[1]
@@ -213,8 +216,9 @@ def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offloa
     return (caches, pool_ids, codes) if offload else caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prefill"), donate_argnames="stage")
-def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, prefill="xla"):
+@functools.partial(jax.jit, static_argnames=("graphdef", "products", "prefill"),
+                   donate_argnames="stage")
+def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, products, prefill="xla"):
     """One block of a prompt: ids [C] at positions start..start+C -> (the token
     sampled after row `last` [], its logits [V], stage). stage: (K, V) [L, S, Hkv,
     D] bf16, the prompt's K/V so far; this block's are written into it."""
@@ -226,8 +230,9 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, prefill="
                   for s, x in zip(stage, (k, v)))
         return _exact_attention(q, ks[layer], vs[layer], start, c, prefill), (ks, vs)
 
-    x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend)
-    logits = model.logits(x[last][None])
+    x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend,
+                            products=products)
+    logits = model.logits(x[last][None], products=products)
     tok = sample_slots(logits, (start + last + 1)[None], samp)
     return tok[0], logits[0], stage
 
@@ -260,9 +265,11 @@ def _stage_to_dense(caches, slot, k, v):
     return put(caches[0], k), put(caches[1], v)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "n"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
+                                             "n"),
                    donate_argnames="caches")
-def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation, n):
+def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation,
+            products, n):
     """tokens [B] at positions lens [B] (active [B] slots) -> (next tokens [B],
     logits [B, V], caches), computing slots 0..n-1 only (the rest must be
     inactive: their rows come back 0). A HiSparse step copies those slots' own
@@ -282,19 +289,20 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
         return att.decode_layer(hcfg, caches, layer, q, k, v, active,
                                 implementation=implementation)
 
-    x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend)
+    x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend,
+                             products=products)
     if hcfg is not None:
         caches = st.put_first_slots(full, caches, axis=1)
-    logits = model.logits(x)
+    logits = model.logits(x, products=products)
     nxt = sample_slots(logits, lens + 1, samp)
     pad = lambda a: jnp.zeros((b, *a.shape[1:]), a.dtype).at[:n].set(a)
     return pad(nxt), pad(logits), caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "first",
-                                             "width"), donate_argnames="caches")
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
+                                             "first", "width"), donate_argnames="caches")
 def _offload_front(params, caches, x, tokens, lens, active, layer, sched, held, below, *,
-                   graphdef, hcfg, implementation, first, width):
+                   graphdef, hcfg, implementation, products, first, width):
     """Offload mode, one layer of a decode step up to its copies: the layer's q
     [B, Hq, D], its K/V appended (the pages that became cold: pool ids [B] and
     codes, `state.append_layer`'s), then everything the layer decides before the
@@ -304,7 +312,7 @@ def _offload_front(params, caches, x, tokens, lens, active, layer, sched, held, 
     model = nnx.merge(graphdef, params)
     if first:
         x = model.embed_tokens(tokens)
-    q, k, v = model.block(layer).attention_inputs(x, lens, model.rope())
+    q, k, v = model.blocks.attention_inputs(x, lens, model.rope(), layer, products)
     caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active,
                                               implementation=implementation)
     sched, held, planned = plan_copies(hcfg, st.layer_view(hcfg, caches, layer), q, sched, held,
@@ -312,10 +320,10 @@ def _offload_front(params, caches, x, tokens, lens, active, layer, sched, held, 
     return x, q, caches, pool_ids, codes, sched, held, planned
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products"),
                    donate_argnames="caches")
 def _offload_back(params, caches, x, q, layer, ws, sample_ws, sched, held, planned, *,
-                  graphdef, hcfg, implementation):
+                  graphdef, hcfg, implementation, products):
     """The rest of the layer once its pages are in: attention over the resident
     pages (`offload.attend_planned`), the output projection and MLP; the caches
     remember the layer's candidates. -> (x, caches, candidates [B, Hkv, C]: what
@@ -325,13 +333,13 @@ def _offload_back(params, caches, x, q, layer, ws, sample_ws, sched, held, plann
                                               sample_ws, sched, held, planned,
                                               implementation=implementation)
     caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last))
-    return model.block(layer).finish(x, out), caches, candidates
+    return model.blocks.finish(x, out, layer, products), caches, candidates
 
 
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _logits_and_sample(params, x, lens, samp, *, graphdef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "products"))
+def _logits_and_sample(params, x, lens, samp, *, graphdef, products):
     model = nnx.merge(graphdef, params)
-    logits = model.logits(x)
+    logits = model.logits(x, products=products)
     return sample_slots(logits, lens + 1, samp), logits
 
 
@@ -371,6 +379,7 @@ class Engine:
         self.max_seqs, self.max_context = max_seqs, max_context
         self.implementation = implementation
         self.prefill_implementation = resolve_prefill(implementation, mc.head_dim)
+        self.product_implementation = resolve_products(implementation)
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
         if attention == "hisparse":
@@ -419,7 +428,7 @@ class Engine:
 
     def _static(self):
         return {"graphdef": self.graphdef, "hcfg": self.cache_cfg,
-                "implementation": self.implementation}
+                "implementation": self.implementation, "products": self.product_implementation}
 
     @property
     def offload(self) -> bool:
@@ -694,7 +703,7 @@ class Engine:
         tok, self.logits, self._stage = _prefill_chunk(
             self.params, self._stage, jnp.asarray(block), jnp.int32(start),
             jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef,
-            prefill=self.prefill_implementation)
+            products=self.product_implementation, prefill=self.prefill_implementation)
         self._staged = start + len(real)
         if self._staged < n:
             return None
@@ -876,8 +885,8 @@ class Engine:
             x, self.caches, below = _offload_back(
                 self.params, self.caches, x, q, idx, store.ws, store.sample_ws, store.sched,
                 store.sample_held, planned, **self._static())
-        return _logits_and_sample(self.params, x, lens, self._samp(),
-                                  graphdef=self.graphdef)
+        return _logits_and_sample(self.params, x, lens, self._samp(), graphdef=self.graphdef,
+                                  products=self.product_implementation)
 
     def offload_counters(self) -> dict[str, int | float]:
         """Offload mode's counters summed over the layers: cold pages selected
@@ -996,6 +1005,7 @@ class Engine:
             self._make_stage()
             _prefill_chunk.lower(self.params, self._stage, jnp.zeros(PREFILL_CHUNK, jnp.int32),
                                  jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
+                                 products=self.product_implementation,
                                  prefill=self.prefill_implementation).compile()
             kv = [x[:, :n] for x in self._stage]
             if self.cache_cfg is None:

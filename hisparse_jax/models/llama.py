@@ -2,10 +2,12 @@
 
 The math is HF's `LlamaForCausalLM`: RMSNorm, rotate-half RoPE (dimension i pairs
 with i + head_dim/2), grouped-query attention (query head i reads KV head
-i // group), SwiGLU, tied or untied output. Weights are bf16, stored [in, out]
-so that activations multiply them as `x @ w`; every layer's weights are stacked
-on a leading layer axis, and `Llama.layers` runs them with one `lax.scan`, so a
-30-layer model compiles one layer's program, not 30. Attention is a callback
+i // group), SwiGLU, tied or untied output. Weights are bf16; the weight tree
+(`weight_shapes`, what loaders produce) holds matrices [in, out], and the model
+stores them [out, in], as the embedding is: a decode step's few rows then stream
+each weight row along its inputs (`matmul`). Every layer's weights are stacked on
+a leading layer axis, and `Llama.layers` runs them with one `lax.scan` over the
+layer index, so a 30-layer model compiles one layer's program, not 30. Attention is a callback
 (`Attend`): the same model runs over a HiSparse cache or a dense one
 (`engine.py`). Activations are float32; matmuls take bf16 inputs and accumulate
 in float32.
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_kernels import ops as cpu_ops
 from hisparse_jax.validate import is_int, is_number
 
 ROPE_KINDS = ("linear", "llama3", "yarn")
@@ -166,21 +169,32 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 MATMUL_MIN_ROWS = 4
 
 
-def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """x [..., in] @ w [in, out] (w [out, in] if transposed) in bf16, accumulated in
-    float32. Fewer than MATMUL_MIN_ROWS rows are padded with zeros: XLA:CPU's
-    bf16 matrix-vector path is ~10x slower than its matrix-matrix one (211 vs 22
-    ms for 80M weights here), and it sums 1 or 2 rows in another order than 3 or
-    more, which made a sequence's decode step depend on how many slots the step
+def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla") -> jax.Array:
+    """x [..., in] times w [out, in] (layer None) or w[layer] of stacked weights [L,
+    out, in], transposed: in bf16, accumulated in float32.
+
+    products="cpu" (`config.resolve_products`): a product of at most 16 rows (a
+    decode step's) runs on the AMX kernel, which reads a stacked layer where it
+    lies (cpu_kernels/matmul.cc); XLA copies the layer out of the stack first, and
+    its few-row products stream the weights slowly. Larger products are XLA's.
+
+    In XLA, fewer than MATMUL_MIN_ROWS rows are padded with zeros: XLA:CPU's bf16
+    matrix-vector path is ~10x slower than its matrix-matrix one (211 vs 22 ms for
+    80M weights here), and it sums 1 or 2 rows in another order than 3 or more,
+    which made a sequence's decode step depend on how many slots the step
     computed. 4 rows cost what 2 do (a one-off timing of the jitted product at
-    576x1536, 2026-12-05: 126 us at 4 rows, 129 at 2, 336 at 1)."""
+    576x1536, 2026-12-05: 126 us at 4 rows, 129 at 2, 336 at 1). The kernel sums
+    each row alone, in the order of XLA's products of 4 or more rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     n = x2.shape[0]
+    if products == "cpu" and cpu_ops.matmul_unsupported(n, x2.shape[1], w.shape[-2]) is None:
+        return cpu_ops.matmul(x2, w, layer).reshape(*lead, -1)
+    if layer is not None:
+        w = w[layer]
     if n < MATMUL_MIN_ROWS:
         x2 = jnp.pad(x2, ((0, MATMUL_MIN_ROWS - n), (0, 0)))
-    y = jax.lax.dot_general(x2, w, (((1,), (1 if transposed else 0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y[:n].reshape(*lead, -1)
 
 
@@ -192,6 +206,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array
 Attend = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # stored [L, out, in]
 BIAS_WEIGHTS = ("bq", "bk", "bv")
 
 
@@ -216,30 +231,33 @@ def weight_shapes(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 class Block(nnx.Module):
-    """Decoder layers; each Param has a leading layer axis (one layer's slice
-    inside `Llama.layers`' scan)."""
+    """The decoder layers: each Param has a leading layer axis, and each method
+    takes the layer's index (a traced int inside `Llama.layers`' scan), so that the
+    weight products can read a layer where it lies (`matmul`). `products` is
+    `matmul`'s."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Any]):
         self.cfg = cfg
         for name in layer_shapes(cfg):
-            setattr(self, name, nnx.Param(jnp.asarray(weights[name], jnp.bfloat16)))
+            w = jnp.asarray(weights[name], jnp.bfloat16)
+            setattr(self, name, nnx.Param(w.swapaxes(-1, -2) if name in MATRICES else w))
 
-    def __call__(self, x, positions, rope, caches, layer, attend: Attend):
-        q, k, v = self.attention_inputs(x, positions, rope)
+    def __call__(self, x, positions, rope, caches, layer, attend: Attend, products="xla"):
+        q, k, v = self.attention_inputs(x, positions, rope, layer, products)
         out, caches = attend(caches, layer, q, k, v)
-        return self.finish(x, out), caches
+        return self.finish(x, out, layer, products), caches
 
-    def attention_inputs(self, x, positions, rope):
+    def attention_inputs(self, x, positions, rope, layer, products="xla"):
         """x [..., d] at positions [...] -> q [..., Hq, D], k, v [..., Hkv, D]
         (RoPE applied to q and k)."""
         cfg = self.cfg
         inv_freq, scale = rope
-        h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+        h = rms_norm(x, self.attn_norm[...][layer], cfg.rms_norm_eps)
 
         def proj(w, b, heads):
-            y = self.product(h, w)
+            y = self.product(h, w, layer, products)
             if b is not None:
-                y = y + b[...].astype(jnp.float32)
+                y = y + b[...][layer].astype(jnp.float32)
             return y.reshape(*x.shape[:-1], heads, cfg.head_dim)
 
         bias = (self.bq, self.bk, self.bv) if cfg.qkv_bias else (None,) * 3
@@ -248,24 +266,25 @@ class Block(nnx.Module):
         v = proj("wv", bias[2], cfg.num_kv_heads)
         return q, k, v
 
-    def finish(self, x, out):
+    def finish(self, x, out, layer, products="xla"):
         """The rest of the layer after attention (out [..., Hq, D]): output
         projection, residual, MLP."""
         cfg = self.cfg
-        x = x + self.product(out.reshape(*x.shape[:-1], -1), "wo")
-        h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate = jax.nn.silu(self.product(h, "w_gate"))
-        return x + self.product(gate * self.product(h, "w_up"), "w_down")
+        mm = lambda a, name: self.product(a, name, layer, products)
+        x = x + mm(out.reshape(*x.shape[:-1], -1), "wo")
+        h = rms_norm(x, self.mlp_norm[...][layer], cfg.rms_norm_eps)
+        gate = jax.nn.silu(mm(h, "w_gate"))
+        return x + mm(gate * mm(h, "w_up"), "w_down")
 
-    def product(self, x, name: str) -> jax.Array:
-        """x @ the weight matrix `name`: every product of the layer goes through
-        here (`benchmarks/weight_quant.py` swaps in quantized ones)."""
-        return matmul(x, getattr(self, name)[...])
+    def product(self, x, name: str, layer, products="xla") -> jax.Array:
+        """x @ layer `layer`'s weight matrix `name`: every product of the layers
+        goes through here (`benchmarks/weight_quant.py` swaps in quantized ones)."""
+        return matmul(x, getattr(self, name)[...], layer, products=products)
 
 
 class Llama(nnx.Module):
     """The decoder. `weights` is the tree of `weight_shapes(cfg)` (numpy or jax
-    arrays, any float dtype; stored bf16)."""
+    arrays, any float dtype; stored bf16, matrices [out, in])."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Any]):
         check_weights(cfg, weights)
@@ -273,51 +292,44 @@ class Llama(nnx.Module):
         self.embed = nnx.Param(jnp.asarray(weights["embed"], jnp.bfloat16))
         self.norm = nnx.Param(jnp.asarray(weights["norm"], jnp.bfloat16))
         self.lm_head = (None if cfg.tie_embeddings
-                        else nnx.Param(jnp.asarray(weights["lm_head"], jnp.bfloat16)))
+                        else nnx.Param(jnp.asarray(weights["lm_head"], jnp.bfloat16).T))
         self.blocks = Block(cfg, weights["layers"])
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.embed[...][tokens].astype(jnp.float32)
 
-    def layers(self, x, positions, caches, attend: Attend):
+    def layers(self, x, positions, caches, attend: Attend, *, products: str = "xla"):
         """All layers: x [..., d] at positions [...]; caches: any pytree, carried
-        through the layers and updated by `attend` -> (x, caches)."""
-        graphdef, weights = nnx.split(self.blocks)
+        through the layers and updated by `attend` -> (x, caches). products:
+        `matmul`'s."""
         rope = self.rope()
 
-        def body(carry, xs):
+        def body(carry, layer):
             x, caches = carry
-            layer_weights, layer = xs
-            block = nnx.merge(graphdef, layer_weights)
-            return block(x, positions, rope, caches, layer, attend), None
+            return self.blocks(x, positions, rope, caches, layer, attend, products), None
 
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, caches), _ = jax.lax.scan(body, (x, caches), (weights, layers))
+        (x, caches), _ = jax.lax.scan(body, (x, caches), layers)
         return x, caches
-
-    def block(self, layer) -> Block:
-        """Layer `layer` alone (an int or a traced index), for programs that run
-        one layer at a time (the engine's offload mode)."""
-        graphdef, weights = nnx.split(self.blocks)
-        return nnx.merge(graphdef, jax.tree.map(lambda w: w[layer], weights))
 
     def rope(self):
         inv_freq, scale = rope_frequencies(self.cfg)  # constants of the program
         return jnp.asarray(inv_freq), scale
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, *, products: str = "xla") -> jax.Array:
         """Final norm and output projection: x [..., d] -> [..., V] float32."""
         h = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
-        if self.lm_head is None:
-            return matmul(h, self.embed[...], transposed=True)
-        return matmul(h, self.lm_head[...])
+        head = self.embed if self.lm_head is None else self.lm_head
+        return matmul(h, head[...], products=products)
 
     def weights(self) -> dict[str, Any]:
         """The weight tree (jax arrays, bf16) in `weight_shapes` layout."""
+        layers = {k: getattr(self.blocks, k)[...] for k in layer_shapes(self.cfg)}
         out = {"embed": self.embed[...], "norm": self.norm[...],
-               "layers": {k: getattr(self.blocks, k)[...] for k in layer_shapes(self.cfg)}}
+               "layers": {k: w.swapaxes(-1, -2) if k in MATRICES else w
+                          for k, w in layers.items()}}
         if self.lm_head is not None:
-            out["lm_head"] = self.lm_head[...]
+            out["lm_head"] = self.lm_head[...].T
         return out
 
 

@@ -1,0 +1,154 @@
+"""The decode step's weight-product kernel (cpu_kernels/matmul.cc, AMX tiles)
+against its reference (cpu_kernels/reference.py) and XLA's product.
+
+Adversarial shapes: 1 to 16 rows, outputs that fill 1 to 4 of a unit's 16-row
+tiles (48, 80, 1040), SmolLM2's seven matrices and its 49,152-row output
+projection, a layer read from a stack of several (the others hold other values,
+so reading the wrong one fails), NaN in one row, a traced layer index. Tolerance
+against the float32 reference: 1e-5 of the output's scale (the products of bf16
+are exact, the sums in another order); bitwise against the model's XLA product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import build, ops, reference
+from hisparse_jax.config import resolve_products
+from hisparse_jax.models.llama import matmul
+
+
+def _has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
+
+
+AMX = jax.default_backend() == "cpu" and _has_amx()
+needs_amx = pytest.mark.skipif(not AMX, reason="the kernel runs on AMX-BF16 CPUs only")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    rows: int
+    outputs: int
+    inputs: int
+    layers: int = 1
+    layer: int = 0
+    scale: float = 1.0
+
+    def __str__(self):
+        return "-".join(f"{f.name[:2]}{getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+CASES = [
+    Case(1, 576, 576),                       # wq, one sequence
+    Case(2, 192, 576, layers=30, layer=29),  # wk of the last layer
+    Case(3, 1536, 576, layers=3, layer=1),   # w_gate
+    Case(8, 576, 1536, layers=2, layer=0),   # w_down, eight sequences
+    Case(7, 48, 64),                         # three tiles: a unit's tail
+    Case(16, 80, 96, layers=2, layer=1),     # 64 + 16: a unit of one tile
+    Case(5, 1040, 32, scale=1e3),            # one input chunk, large values
+    Case(4, 49152, 576),                     # the tied output projection
+]
+
+
+def make(c: Case, seed=0):
+    """x [rows, in] float32, w [layers, out, in] bf16 (each layer different)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((c.rows, c.inputs)) * c.scale
+    w = rng.standard_normal((c.layers, c.outputs, c.inputs)) * 0.05
+    return jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.bfloat16)
+
+
+def close(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_amx
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_reference_and_xla(case):
+    x, w = make(case)
+    got = ops.matmul(x, w, case.layer)
+    close(got, reference.matmul(x.astype(jnp.bfloat16).astype(jnp.float32), w, case.layer))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(matmul(x, w, case.layer)))
+    if case.layers == 1:  # unstacked weights [out, in]
+        np.testing.assert_array_equal(np.asarray(ops.matmul(x, w[0])), np.asarray(got))
+
+
+@needs_amx
+@pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=str)
+def test_a_row_gets_the_same_result_with_any_rows(case):
+    """Bitwise: a sequence's decode step must not depend on how many slots it
+    computes."""
+    x, w = make(case)
+    whole = np.asarray(ops.matmul(x, w, case.layer))
+    for rows in range(1, case.rows):
+        np.testing.assert_array_equal(np.asarray(ops.matmul(x[:rows], w, case.layer)),
+                                      whole[:rows])
+        np.testing.assert_array_equal(np.asarray(ops.matmul(x[rows:], w, case.layer)),
+                                      whole[rows:])
+
+
+@needs_amx
+def test_nan_in_one_row_stays_in_that_row():
+    case = CASES[3]
+    x, w = make(case)
+    clean = np.asarray(ops.matmul(x, w, case.layer))
+    got = np.asarray(ops.matmul(x.at[5, 17].set(jnp.nan), w, case.layer))
+    assert np.isnan(got[5]).all()
+    np.testing.assert_array_equal(np.delete(got, 5, 0), np.delete(clean, 5, 0))
+
+
+@needs_amx
+def test_in_a_jitted_scan_with_a_traced_layer():
+    """As the model's layer loop calls it: the stack closed over, the layer traced."""
+    case = Case(4, 576, 576, layers=5)
+    x, w = make(case)
+    f = jax.jit(lambda x, w: jax.lax.scan(lambda c, i: (c, ops.matmul(x, w, i)), 0,
+                                          jnp.arange(5))[1])
+    got = np.asarray(f(x, w))
+    for layer in range(5):
+        np.testing.assert_array_equal(got[layer], np.asarray(ops.matmul(x, w, layer)))
+    assert "hisparse_matmul" in f.lower(x, w).as_text()
+
+
+@needs_amx
+@pytest.mark.parametrize(("rows", "inputs", "outputs", "match"), [
+    (17, 576, 576, "at most 16 rows"), (0, 576, 576, "at most 16 rows"),
+    (2, 48, 576, "multiple of 32"), (2, 576, 40, "multiple of 32 and outputs of 16")])
+def test_shapes_it_cannot_take_are_refused(rows, inputs, outputs, match):
+    """ops.matmul says why; the model's `matmul` runs those in XLA instead."""
+    x = jnp.ones((rows, inputs), jnp.float32)
+    w = jnp.ones((outputs, inputs), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match=match):
+        ops.matmul(x, w)
+    if rows:
+        np.testing.assert_array_equal(np.asarray(matmul(x, w, products="cpu")),
+                                      np.asarray(matmul(x, w)))
+
+
+@needs_amx
+def test_a_layer_out_of_range_is_an_error():
+    x, w = make(Case(2, 64, 64, layers=3))
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(ops.matmul(x, w, 3))
+
+
+@pytest.mark.parametrize(("implementation", "want"), [
+    ("xla", "xla"), ("pallas", "xla"), (None, "cpu" if AMX else "xla"),
+    ("cpu", "cpu" if AMX else "xla")])
+def test_which_products_run(implementation, want):
+    """The kernel where it can run (the default, and with the decode kernels), XLA's
+    products everywhere else; a CPU without AMX says why."""
+    assert resolve_products(implementation) == want
+    assert (build.amx_unavailable() is None) == AMX
+    if not AMX:
+        with pytest.raises(RuntimeError, match="AMX|compiler"):
+            ops.matmul(*make(CASES[0]))
