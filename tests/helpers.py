@@ -1,10 +1,13 @@
-"""Shared test helpers: an independent dequantized-cache reference."""
+"""Shared test helpers: an independent dequantized-cache reference, servers, and
+where the AMX kernels run."""
 
 import contextlib
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hisparse_jax.state import slot_positions
 from pallas_kernels.quant import (
@@ -15,6 +18,16 @@ from pallas_kernels.quant import (
     encode_cold_values,
     encode_fp8,
 )
+
+
+def _has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
+
+
+# The AMX kernels (cpu_kernels/causal_attention.cc, matmul.cc) run here
+AMX = jax.default_backend() == "cpu" and _has_amx()
+needs_amx = pytest.mark.skipif(not AMX, reason="the kernel runs on AMX-BF16 CPUs only")
 
 
 def dequantized_kv(cfg, k, v):

@@ -17,19 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import AMX, needs_amx
 
 from cpu_kernels import build, ops, reference
 from hisparse_jax.config import resolve_products
 from hisparse_jax.models.llama import matmul
-
-
-def _has_amx() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
-
-
-AMX = jax.default_backend() == "cpu" and _has_amx()
-needs_amx = pytest.mark.skipif(not AMX, reason="the kernel runs on AMX-BF16 CPUs only")
 
 
 @dataclasses.dataclass(frozen=True)
