@@ -144,3 +144,32 @@ def test_which_products_run(implementation, want):
     if not AMX:
         with pytest.raises(RuntimeError, match="AMX|compiler"):
             ops.matmul(*make(CASES[0]))
+
+
+@needs_amx
+@pytest.mark.parametrize("attention", ["hisparse", "dense"])
+def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
+    """The engine's decode step runs its products on the kernel by default, and its
+    logits are bit-equal to the same engine's with XLA's products."""
+    from models_fixtures import hf_weights, model_weights, tiny_config
+
+    from hisparse_jax.models import engine as eng
+    from hisparse_jax.models.llama import Llama
+    cfg = tiny_config()
+    model = Llama(cfg, model_weights(cfg, hf_weights(cfg)))
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 300)
+    logits = {}
+    for products in ("cpu", "xla"):
+        e = eng.Engine(model, max_seqs=3, max_context=512, attention=attention, budget_tokens=64)
+        assert e.product_implementation == "cpu"
+        e.product_implementation = products
+        for slot in range(3):
+            e.prefill(slot, prompt[:250 + 20 * slot])
+        hlo = eng._decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
+                                jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
+        assert ("hisparse_matmul" in hlo) == (products == "cpu")
+        steps = [np.asarray(e.decode_step()) for _ in range(4)]
+        logits[products] = (steps, np.asarray(e.logits))
+    np.testing.assert_array_equal(logits["cpu"][1], logits["xla"][1])
+    for a, b in zip(logits["cpu"][0], logits["xla"][0]):
+        np.testing.assert_array_equal(a, b)
