@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import build
-from hisparse_jax.models.llama import MATRICES, layer_shapes, matmul
+from hisparse_jax.models.llama import MATMUL_MIN_ROWS, MATRICES, layer_shapes, matmul
 from hisparse_jax.models.registry import load
 
 
@@ -55,7 +55,7 @@ def main(argv=None):
     def xla_in_out(x, w):  # the loop slices each layer; x @ w
         def body(x, ws):
             return chain(x, lambda y, n: jax.lax.dot_general(
-                jnp.pad(y.astype(jnp.bfloat16), ((0, max(0, 4 - y.shape[0])), (0, 0))), ws[n],
+                jnp.pad(y.astype(jnp.bfloat16), ((0, max(0, MATMUL_MIN_ROWS - y.shape[0])), (0, 0))), ws[n],
                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)[:y.shape[0]]), None
         return jax.lax.scan(body, x, w)[0]
 

@@ -29,7 +29,6 @@ namespace {
 
 using namespace hisparse_cpu;  // NOLINT
 
-
 // rows [B,H,G,D] bf16 (the query scaled by 1/sqrt(D), rounded to bf16 as the
 // reference rounds it); center [L,H,P,D] bf16; radius [L,H,P,D] e4m3 (or its
 // bits as u8); table [B,N] s32 (-1: not a candidate); layer s32[]

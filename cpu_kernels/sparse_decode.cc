@@ -25,8 +25,6 @@ namespace {
 
 using namespace hisparse_cpu;  // NOLINT
 
-
-
 // q [B,H,G,D] f32; int4_k [L,H,P,T,D/2] u8 (dims [0,D/2) in the low nibble, [D/2,D)
 // in the high one); center [L,H,P,D] bf16; radius [L,H,P,D] e4m3 (or its bits as u8,
 // a stacked cache's form); ids [B,H,K] s32
