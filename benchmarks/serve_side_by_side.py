@@ -41,6 +41,10 @@ HISPARSE_VLLM_CPU is removed from its environment). Caveats:
   thread (its defaults, not changed here).
 - vLLM honours `ignore_eos` and sends usage, as `hisparse serve` does.
 
+A server named `hisparse-slo` (or `dense-slo`) is our server with `--tpot-slo-ms`
+(this script's --tpot-slo-ms): prompt blocks wait while running them would put a
+decoding request over that time per output token.
+
 The recorded command names no path of this machine: the llama.cpp venv is
 LLAMACPP_VENV, the vLLM venv VLLM_VENV, the export VLLM_MODEL_DIR.
 """
@@ -181,6 +185,9 @@ def main():
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="our servers' prompt tokens per engine step (default: hisparse "
                         "serve's, 512; vLLM's CPU server takes 2,048); the row records it")
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="the TPOT target of the servers named NAME-slo (hisparse-slo, "
+                        "dense-slo: our server with --tpot-slo-ms); the row records it")
     p.add_argument("--out", default="benchmarks/results/serve_side_by_side.jsonl")
     p.add_argument("--log-dir", default=tempfile.gettempdir(),
                    help="each server's output goes to LOG_DIR/serve_NAME.log")
@@ -239,13 +246,18 @@ def main():
                                "TOKENIZERS_PARALLELISM": "false"}, log_path(name), group=True,
                          drop=("HISPARSE_VLLM_CPU",))
         else:
-            cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", name,
+            attention, slo = name.removesuffix("-slo"), name.endswith("-slo")
+            if slo and a.tpot_slo_ms is None:
+                raise SystemExit(f"{name}: needs --tpot-slo-ms")
+            cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", attention,
                    "--max-seqs", str(max(conc)), "--max-context", str(a.max_context),
                    "--port", str(port)]
-            if name == "hisparse" and a.budget_tokens is not None:
+            if attention == "hisparse" and a.budget_tokens is not None:
                 cmd += ["--budget-tokens", str(a.budget_tokens)]
             if a.prefill_budget is not None:
                 cmd += ["--prefill-budget", str(a.prefill_budget)]
+            if slo:
+                cmd += ["--tpot-slo-ms", f"{a.tpot_slo_ms:g}"]
             proc = start(cmd, log=log_path(name))
         try:
             wait_up(url, proc)
@@ -265,10 +277,11 @@ def main():
                 row = json.loads(r.stdout.strip().splitlines()[-1])
                 row.update(server=name, concurrency=c,
                            command_line=" ".join(["python"] + argv))
-                if name == "hisparse":
+                if name.startswith("hisparse"):
                     row.update(budget_tokens=a.budget_tokens)  # None: serve's default
-                if name in ("hisparse", "dense"):
-                    row.update(prefill_budget=a.prefill_budget)  # None: serve's 512
+                if name not in ("llamacpp", "vllm"):
+                    row.update(prefill_budget=a.prefill_budget,  # None: serve's 512
+                               tpot_slo_ms=a.tpot_slo_ms if name.endswith("-slo") else None)
                 if name == "vllm":
                     row.update(kv_cache_tokens=vllm_kv_tokens(log_path(name)),
                                vllm_kv_space_gib=a.vllm_kv_space_gib)

@@ -48,10 +48,16 @@ struct Interleave {
 };
 const Interleave kInterleave;
 
-// Two keys' 16 queries of bf16 bits -> one VNNI row: (a_c, b_c) pairs by query.
-inline void PairRow(__m256i a, __m256i b, uint32_t* row) {
-  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-  _mm512_store_si512(row, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave.idx), ab));
+// Two keys' 16 queries, a and b, rounded to bf16 (RNE) as one VNNI row: lane c
+// holds (a_c, b_c), a_c in the low half. *a_back and *b_back get those bf16 as
+// floats. One conversion and one permute for both keys.
+inline __m512i PairRow(__m512 a, __m512 b, __m512i interleave, __m512* a_back, __m512* b_back) {
+  const __m512i row = _mm512_permutexvar_epi16(
+      interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+  *a_back = _mm512_castsi512_ps(_mm512_slli_epi32(row, 16));
+  *b_back = _mm512_castsi512_ps(_mm512_and_si512(row, _mm512_set1_epi32(
+      static_cast<int32_t>(0xFFFF0000u))));
+  return row;
 }
 
 struct Shapes {
@@ -95,6 +101,7 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
   alignas(64) float acc[kMaxDim][16];     // O^T
   std::memset(acc, 0, sizeof(float) * 16 * D);
   const __m512i posv = _mm512_load_si512(pos);
+  const __m512i interleave = _mm512_load_si512(kInterleave.idx);
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
   const TileConfig cfg;  // eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 A, 5-7 B
   _tile_loadconfig(&cfg);
@@ -144,12 +151,11 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
       const __m512 p0 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
       const __m512 p1 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
       sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-      __m512 h0, h1, unused;
-      const __m256i hi0 = RoundBf16(p0, &h0), hi1 = RoundBf16(p1, &h1);
-      const __m256i lo0 = RoundBf16(_mm512_sub_ps(p0, h0), &unused);
-      const __m256i lo1 = RoundBf16(_mm512_sub_ps(p1, h1), &unused);
-      PairRow(hi0, hi1, pw[0][r / 32][(r % 32) / 2]);
-      PairRow(lo0, lo1, pw[1][r / 32][(r % 32) / 2]);
+      __m512 h0, h1, unused0, unused1;
+      _mm512_store_si512(pw[0][r / 32][(r % 32) / 2], PairRow(p0, p1, interleave, &h0, &h1));
+      _mm512_store_si512(pw[1][r / 32][(r % 32) / 2],
+                         PairRow(_mm512_sub_ps(p0, h0), _mm512_sub_ps(p1, h1), interleave,
+                                 &unused0, &unused1));
     }
     l = _mm512_add_ps(_mm512_mul_ps(l, corr), sum);
     for (int64_t dc = 0; dc < D; dc += 64) {

@@ -114,6 +114,60 @@ def test_scheduler_interleaves_long_prefill_with_decodes(model, long_ids):
     assert d.finish.reason == "abort" and sched.running() == 0 and eng.lens[0] == 0
 
 
+@pytest.mark.parametrize("slo, deferred", [(None, False), (1e6, False), (1e-9, True)])
+def test_tpot_slo_defers_prompt_blocks_while_decodes_run(model, long_ids, slo, deferred):
+    """With a TPOT target a long prompt's blocks wait while running them would put
+    a decoding request over it (a target no step can meet: every block waits for
+    the decodes to end), and run beside them where it would not (a generous
+    target: as without one). The tokens are the same either way."""
+    m, tok = model
+    eng = Engine(m, max_seqs=2, max_context=1024)
+    sched = Scheduler(eng, tok, tpot_slo=slo)
+    short_ids = tok.encode("The capital of France is")
+    warm = Collect()  # measures the long prompt's blocks (nothing decodes yet)
+    sched.submit(Request(list(long_ids), 1, GREEDY, warm))
+    while sched.waiting or sched.running():
+        sched.step()
+    assert slo is None or set(sched.block_s) == {(0, PREFILL_CHUNK, False),
+                                                 (PREFILL_CHUNK, PREFILL_CHUNK, True)}
+    a, b = Collect(), Collect()
+    sched.submit(Request(short_ids, 8, GREEDY, a))
+    sched.step()
+    sched.submit(Request(list(long_ids), 3, GREEDY, b))
+    order = []
+    while sched.running():
+        sched.step()
+        order += [x for x, c in (("a", a), ("b", b)) if c.finish and x not in order]
+        if b.ids and "b first" not in order:
+            order.append("b first")
+    assert (order.index("b first") > order.index("a")) == deferred
+    assert (sched.deferred > 0) == deferred
+    assert a.finish.completion_tokens == 8 and b.ids[0] == warm.ids[0] and len(b.ids) == 3
+
+
+@pytest.mark.parametrize("block_s, decode_s, first_ago, generated, slo, over", [
+    ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.1, False),   # (0.5 + 0.23) / 10
+    ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.05, True),
+    ({(0, 512, False): 0.2}, {1: 0.03}, 0.0, 1, 0.2, True),     # right after its first
+    ({(0, 512, False): 0.2}, {}, 0.5, 10, 0.1, False),          # no step measured: 0
+    ({(512, 512, False): 0.9}, {1: 0.03}, 0.5, 10, 0.1, True),  # unknown: the slowest
+    ({}, {1: 0.03}, 100.0, 10_000, 1.0, True),                  # none measured: too long
+    ({}, {}, 0.5, 10, None, False),                             # no target
+])
+def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
+    import time
+    from types import SimpleNamespace
+
+    from hisparse_jax.serving.scheduler import _Seq
+    sched = Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=slo)
+    sched.block_s, sched.decode_s = dict(block_s), dict(decode_s)
+    seq = _Seq(Request([1], 4, GREEDY, Collect()), None, decoding=True, generated=generated,
+               first=time.perf_counter() - first_ago)
+    assert sched._over_slo((0, 512, False), [seq]) == over
+    with pytest.raises(ValueError, match="tpot_slo"):
+        Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=0)
+
+
 def test_nan_in_one_sequence_never_reaches_another(model, long_ids):
     """A slot whose K/V hold NaN (poisoned) decodes next to a healthy one: the
     healthy slot's tokens and logits are bit-equal to those of an engine where

@@ -61,6 +61,7 @@ class ServeConfig:
     price_per_hour: float | None = None
     max_waiting: int = 64
     prefill_budget: int = PREFILL_CHUNK  # prompt tokens per engine step
+    tpot_slo_ms: float | None = None     # defer prompt blocks that would break it
     shutdown_timeout: float = 30.0       # SIGTERM: seconds to finish running requests
     record_traffic: str | None = None    # append each accepted request to this .jsonl
     kv_cache_memory: int | None = None   # bytes: slots from the capacity planner
@@ -82,6 +83,8 @@ class ServeConfig:
         check_int("port", self.port, minimum=0, maximum=65535)
         check_int("max_waiting", self.max_waiting, minimum=0)
         check_int("prefill_budget", self.prefill_budget, minimum=1)
+        if self.tpot_slo_ms is not None:
+            check_number("tpot_slo_ms", self.tpot_slo_ms, 0.0, above=True)
         check_number("shutdown_timeout", self.shutdown_timeout, 0.0)
         if self.price_per_hour is not None:
             check_number("price_per_hour", self.price_per_hour, 0.0)

@@ -78,7 +78,9 @@ def build_state(cfg):
         log.info("%s: compiled in %.1f s", name, engine.warmup())
         bound = metrics.bind(name, offload=engine.offload)
         sched = Scheduler(engine, tok, max_waiting=cfg.max_waiting,
-                          prefill_budget=cfg.prefill_budget, metrics=bound)
+                          prefill_budget=cfg.prefill_budget,
+                          tpot_slo=None if cfg.tpot_slo_ms is None else cfg.tpot_slo_ms / 1000,
+                          metrics=bound)
         models[name] = Served(name=name, source=source, engine=engine, tokenizer=tok,
                               eos=stop_ids(model, tok), scheduler=sched, metrics=bound,
                               lineage=lineage(engine, src.path))
@@ -154,7 +156,8 @@ def main_serve(args):
                       attention=args.attention, budget_tokens=args.budget_tokens,
                       api_key=args.api_key, host=args.host, port=args.port,
                       price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
-                      prefill_budget=args.prefill_budget, record_traffic=args.record_traffic,
+                      prefill_budget=args.prefill_budget, tpot_slo_ms=args.tpot_slo_ms,
+                      record_traffic=args.record_traffic,
                       kv_cache_memory=args.kv_cache_memory,
                       kv_pool_pages=args.kv_pool_pages, fault_injection=args.fault_injection,
                       offload=args.offload, offload_policy=args.offload_policy,
@@ -214,6 +217,12 @@ def add_serving_parsers(subparsers):
                    help="prompt tokens prefilled per engine step, between decode steps: "
                         "more gives more throughput under load, and longer gaps between "
                         "the running streams' tokens (vLLM's CPU server steps 2,048)")
+    s.add_argument("--tpot-slo-ms", type=number(0.0, above=True), default=None, metavar="MS",
+                   help="a target for each request's time per output token: a prompt "
+                        "block runs beside the running decodes only where it keeps every "
+                        "one of them within it (judged from the block's last time); "
+                        "waiting prompts pay in time to first token (default: none, one "
+                        "block per step)")
     s.add_argument("--record-traffic", default=None, metavar="FILE.jsonl",
                    help="append every accepted request (with its arrival time) to FILE, "
                         "for `hisparse bench serve --dataset replay`")

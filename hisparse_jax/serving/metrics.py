@@ -58,6 +58,9 @@ class Metrics:
                                      registry=r),
             "generation_tokens": Counter("hisparse:generation_tokens", "Generated tokens", M,
                                          registry=r),
+            "prefill_deferred": Counter("hisparse:prefill_blocks_deferred", "Prompt blocks "
+                                        "put off because running them beside the decodes "
+                                        "would break --tpot-slo-ms", M, registry=r),
             "prefix_queries": Counter("hisparse:prefix_cache_queries", "Prompt tokens looked "
                                       "up among the prewarmed contexts", M, registry=r),
             "prefix_hits": Counter("hisparse:prefix_cache_hits", "Prompt tokens whose "

@@ -10,8 +10,15 @@ threads only `submit` and `cancel` requests and read the events each request's
    the admitted requests, in order, up to `prefill_budget` tokens;
 3. one decode step for every slot past its prefill.
 So a long prompt costs the running streams one block per step, never its whole
-prefill. A running sequence is never evicted: a request waits until a slot is
-free, and the queue's bound turns away the rest (`QueueFull`, a 503).
+prefill. With a TPOT target (`tpot_slo`, `--tpot-slo-ms`) a block runs beside
+running decodes only where no decoding request's time per output token (as
+`hisparse bench serve` counts it: from its first token to its latest) would
+exceed the target once the block and the next decode step are done, judged from
+what the same block and step took before (`_over_slo`). Deferred blocks wait for
+slack or for the decodes to end: the running streams keep their pace and a
+waiting prompt pays in time to first token. A running sequence is never
+evicted: a request waits until a slot is free, and the queue's bound turns away
+the rest (`QueueFull`, a 503).
 
 Pages. A HiSparse sequence takes cold pages from the engine's shared pool as it
 grows, and the pool's raw operations trust the caller to leave room (an empty
@@ -61,7 +68,7 @@ from hisparse_jax import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
 from hisparse_jax.models.generate import TextStream
 from hisparse_jax.models.sampling import SamplingParams
-from hisparse_jax.validate import check_int
+from hisparse_jax.validate import check_int, check_number
 
 log = logging.getLogger("hisparse.serve")
 
@@ -139,17 +146,26 @@ class _Seq:
     text: TextStream
     start: int = 0          # next prompt block
     decoding: bool = False  # prefill done
+    resumed: bool = False   # looked for a pinned prefix to resume after
     generated: int = 0
+    first: float = 0.0      # when its first token came
     last: float = 0.0       # when its last token came
     shared: int = 0         # cold pool pages (per layer) of an indexed prefix it shares
 
 
 class Scheduler:
     def __init__(self, engine: Engine, tokenizer, *, max_waiting: int = 64,
-                 prefill_budget: int = PREFILL_CHUNK, metrics=None):
+                 prefill_budget: int = PREFILL_CHUNK, tpot_slo: float | None = None,
+                 metrics=None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_waiting = check_int("max_waiting", max_waiting, minimum=0)
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
+        self.tpot_slo = None if tpot_slo is None else check_number("tpot_slo", tpot_slo, 0.0, above=True)
+        # seconds the last prefill block of each (start, tokens, last block?) took,
+        # and the last decode step of each batch size: what the TPOT target judges by
+        self.block_s: dict[tuple[int, int, bool], float] = {}
+        self.decode_s: dict[int, float] = {}
+        self.deferred = 0  # prefill blocks put off for the TPOT target
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[_Seq | None] = [None] * engine.max_seqs
@@ -297,6 +313,7 @@ class Scheduler:
                     self.prefilling.append(slot)
             self._gauges()
         spent = 0
+        decoding = [s for s in self.slots if s is not None and s.decoding]
         while self.prefilling:
             slot = self.prefilling[0]
             seq = self.slots[slot]
@@ -304,10 +321,21 @@ class Scheduler:
             cost = prefill_length(n) if n <= PREFILL_CHUNK else PREFILL_CHUNK
             if spent and spent + cost > self.prefill_budget:
                 break
-            spent += cost
-            if seq.start == 0:
+            if not seq.resumed:
+                seq.resumed = True
                 self._reuse_prefix(slot, seq)
+            key = (seq.start, cost, seq.start + PREFILL_CHUNK >= n)
+            if decoding and self._over_slo(key, decoding):
+                self.deferred += 1
+                if self.metrics is not None:
+                    self.metrics.prefill_deferred.inc()
+                break
+            spent += cost
+            t = time.perf_counter()
             tok = eng.prefill_chunk(slot, seq.req.ids, seq.start, seq.req.sampling)
+            if self.tpot_slo is not None:  # the block's own time, not the next step's
+                eng.logits.block_until_ready()
+                self.block_s[key] = time.perf_counter() - t
             seq.start += PREFILL_CHUNK
             if tok is not None:
                 self.prefilling.popleft()
@@ -322,7 +350,9 @@ class Scheduler:
                     self._emit(slot, tok, eng.logits)
         live = np.array([s is not None and s.decoding for s in self.slots])
         if live.any():
+            t = time.perf_counter()
             nxt = eng.decode_step(live)
+            self.decode_s[int(live.sum())] = time.perf_counter() - t
             bad = self._nonfinite(live)
             logits = eng.logits if any(s is not None and s.req.logprobs is not None
                                        for s in self.slots) else None
@@ -335,6 +365,22 @@ class Scheduler:
         with self.cond:
             self._gauges()
         self._cache_metrics(live)
+
+    def _over_slo(self, key: tuple[int, int, bool], decoding: list[_Seq]) -> bool:
+        """Whether running prefill block `key` now would put a decoding request's
+        time per output token over the target: its next token comes after the
+        block and a decode step of this batch (their last measured times; a block
+        never measured counts as too long, a batch size never measured as the
+        slowest step seen)."""
+        if self.tpot_slo is None:
+            return False
+        block = self.block_s.get(key)
+        if block is None:
+            return True
+        step = self.decode_s.get(len(decoding), max(self.decode_s.values(), default=0.0))
+        done = time.perf_counter() + block + step
+        # after it, a request with g tokens has g + 1: g gaps since its first
+        return any((done - s.first) / max(s.generated, 1) > self.tpot_slo for s in decoding)
 
     def _nonfinite(self, mask: np.ndarray, prefill: bool = False) -> np.ndarray:
         """[B] bool: the slots in `mask` whose last logits hold a NaN or inf, or
@@ -435,6 +481,8 @@ class Scheduler:
             else:
                 m.itl.observe(now - seq.last)
             m.generation_tokens.inc()
+        if seq.generated == 0:
+            seq.first = now
         seq.generated += 1
         seq.last = now
         self.generated += 1
