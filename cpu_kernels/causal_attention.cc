@@ -9,6 +9,9 @@
 // (16 bits); keys and values are bf16 already, so every product is exact and
 // sums in float32.
 //
+// The queries are scaled by log2(e) as well, so that the softmax runs on 2^x, the
+// cheaper function (its vector work, not the tiles, sets this kernel's pace).
+//
 // Rows are keys and lanes are queries (S^T = K Q^T, O^T = V^T P^T): the online
 // softmax runs down the columns with no horizontal sums, and a query's numbers
 // depend on its own column alone, so it gets the same output in whatever tile
@@ -20,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -38,6 +42,26 @@ inline __m256i RoundBf16(__m512 x, __m512* back) {
   const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
   *back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   return bits;
+}
+
+// 2^x on 16 lanes for x <= 0 (Cephes' exp2f polynomial on the fraction in
+// [-0.5, 0.5], ~2e-7 relative): the scores are in log2 units (the queries carry
+// log2(e)), which saves exp's multiply and its two-step range reduction. Without
+// `clamp` x must not be -inf (the diagonal's hidden keys are; other blocks' scores
+// are finite or NaN); a very negative x gives 0, NaN stays NaN.
+template <bool clamp>
+inline __m512 Exp2x16(__m512 x) {
+  if (clamp) x = _mm512_max_ps(_mm512_set1_ps(-200.f), x);  // NaN in x is returned as x
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 struct Interleave {
@@ -77,7 +101,7 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
                                                               5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
-  const __m512 scale = _mm512_set1_ps(sm_scale);
+  const __m512 scale = _mm512_set1_ps(sm_scale * 1.4426950408889634f);  // log2 units
   for (int64_t c = 0; c < 16; ++c) {
     const float* qr = q + ((q0 + std::min(c, nq - 1)) * s.Hq + h) * D;
     for (int64_t d = 0; d < D; d += 32) {
@@ -130,7 +154,8 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     _tile_stored(2, sc[32], 64);
     _tile_stored(3, sc[48], 64);
     // online softmax down the columns
-    if (k0 + kKeyBlock - 1 > pos[0]) {  // the diagonal: hide each query's future keys
+    const bool diagonal = k0 + kKeyBlock - 1 > pos[0];
+    if (diagonal) {  // hide each query's future keys
       for (int64_t r = 0; r < kKeyBlock; ++r) {
         const __mmask16 future = _mm512_cmpgt_epi32_mask(
             _mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
@@ -142,21 +167,27 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
     for (int64_t r = 0; r < kKeyBlock; r += 4)
       for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
     const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-    const __m512 corr = Exp16(_mm512_sub_ps(m, m_new));
+    const __m512 corr = Exp2x16<true>(_mm512_sub_ps(m, m_new));
     // once a query's maximum has settled (most blocks), its corr is exactly 1
     const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
     m = m_new;
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t r = 0; r < kKeyBlock; r += 2) {
-      const __m512 p0 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
-      const __m512 p1 = Exp16(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
-      sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-      __m512 h0, h1, unused0, unused1;
-      _mm512_store_si512(pw[0][r / 32][(r % 32) / 2], PairRow(p0, p1, interleave, &h0, &h1));
-      _mm512_store_si512(pw[1][r / 32][(r % 32) / 2],
-                         PairRow(_mm512_sub_ps(p0, h0), _mm512_sub_ps(p1, h1), interleave,
-                                 &unused0, &unused1));
-    }
+    const auto probabilities = [&](auto clamp) {
+      for (int64_t r = 0; r < kKeyBlock; r += 2) {
+        const __m512 p0 = Exp2x16<clamp()>(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
+        const __m512 p1 = Exp2x16<clamp()>(_mm512_sub_ps(_mm512_load_ps(sc[r + 1]), m));
+        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+        __m512 h0, h1, unused0, unused1;
+        _mm512_store_si512(pw[0][r / 32][(r % 32) / 2], PairRow(p0, p1, interleave, &h0, &h1));
+        _mm512_store_si512(pw[1][r / 32][(r % 32) / 2],
+                           PairRow(_mm512_sub_ps(p0, h0), _mm512_sub_ps(p1, h1), interleave,
+                                   &unused0, &unused1));
+      }
+    };
+    if (diagonal)
+      probabilities(std::true_type{});
+    else
+      probabilities(std::false_type{});
     l = _mm512_add_ps(_mm512_mul_ps(l, corr), sum);
     for (int64_t dc = 0; dc < D; dc += 64) {
       if (rescale)
