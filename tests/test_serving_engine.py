@@ -133,15 +133,19 @@ def test_tpot_slo_defers_prompt_blocks_while_decodes_run(model, long_ids, slo, d
     a, b = Collect(), Collect()
     sched.submit(Request(short_ids, 8, GREEDY, a))
     sched.step()
-    sched.submit(Request(list(long_ids), 3, GREEDY, b))
-    order = []
-    while sched.running():
+    rb = Request(list(long_ids), 3, GREEDY, b)
+    sched.submit(rb)
+    order, slot_b = [], None
+    while sched.waiting or sched.running():
         sched.step()
         order += [x for x, c in (("a", a), ("b", b)) if c.finish and x not in order]
         if b.ids and "b first" not in order:
             order.append("b first")
+            slot_b = next(i for i, s in enumerate(sched.slots) if s is not None and s.req is rb)
     assert (order.index("b first") > order.index("a")) == deferred
     assert (sched.deferred > 0) == deferred
+    # a request takes its slot as its prefill starts: after a's, the lowest
+    assert slot_b == (0 if deferred else 1)
     assert a.finish.completion_tokens == 8 and b.ids[0] == warm.ids[0] and len(b.ids) == 3
 
 
@@ -272,8 +276,10 @@ def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids
     sinks = [Collect(), Collect()]
     for q, s in zip(qs, sinks):
         sched.submit(Request(q, 8, GREEDY, s))
+    sched.step()  # the first prefills (its block after the document's), then the second
     sched.step()
-    assert sched.running() == 2  # both admitted at once: the doc's pages are shared
+    assert sched.running() == 2  # both in slots at once: the doc's pages are shared
+    assert sinks[0].ids and not sinks[0].finish
     peak = 0
     while sched.running():
         sched.step()

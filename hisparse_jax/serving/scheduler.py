@@ -5,9 +5,12 @@ One thread (`Scheduler.run`) owns the engine and makes every JAX call; other
 threads only `submit` and `cancel` requests and read the events each request's
 `sink` receives. One iteration (`step`):
 1. drop cancelled requests (a waiting one leaves the queue, a running one frees
-   its slot at once) and admit waiting requests into free slots (FIFO);
-2. prefill: prompt blocks (`Engine.prefill_chunk`, at most 512 tokens each) of
-   the admitted requests, in order, up to `prefill_budget` tokens;
+   its slot at once);
+2. prefill: prompt blocks (`Engine.prefill_chunk`, at most 512 tokens each), up
+   to `prefill_budget` tokens: the running prefill's, then the queue's, whose
+   head takes the lowest free slot as its prefill starts (FIFO; so sequences
+   that run one after another reuse the low slots, and a decode step, which
+   computes the slots up to the highest one decoding, stays narrow);
 3. one decode step for every slot past its prefill.
 So a long prompt costs the running streams one block per step, never its whole
 prefill. With a TPOT target (`tpot_slo`, `--tpot-slo-ms`) a block runs beside
@@ -219,7 +222,7 @@ class Scheduler:
         with self.cond:
             if not self.admitting:
                 raise QueueFull("the server is shutting down")
-            free = self.slots.count(None)  # taken by the waiting ones at the next step
+            free = self.slots.count(None)  # the waiting ones take them as they start
             if len(self.waiting) >= self.max_waiting + free:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already "
                                 f"(--max-waiting {self.max_waiting})")
@@ -297,39 +300,35 @@ class Scheduler:
             for cid in self._unpinned:
                 eng.unpin(cid)
             self._unpinned.clear()
-            reserved = self.reserved()
-            for slot in range(eng.max_seqs):
-                if self.slots[slot] is None and self.waiting:
-                    r = self.waiting[0]
-                    shared = eng.hold_prefix(slot, r.ids)
-                    need = self.pages_needed(r) - shared
-                    if eng.cache_cfg is not None and reserved + need > eng.pool_available():
-                        eng.drop_hold(slot)
-                        break  # the head waits for pages; FIFO: nothing overtakes it
-                    self.waiting.popleft()
-                    reserved += need
-                    self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos),
-                                            shared=shared)
-                    self.prefilling.append(slot)
             self._gauges()
         spent = 0
         decoding = [s for s in self.slots if s is not None and s.decoding]
-        while self.prefilling:
-            slot = self.prefilling[0]
-            seq = self.slots[slot]
-            n = len(seq.req.ids)
+        while True:
+            if self.prefilling:
+                seq = self.slots[self.prefilling[0]]
+                ids, start = seq.req.ids, seq.start
+            else:
+                with self.cond:
+                    head = self.waiting[0] if self.waiting and None in self.slots else None
+                if head is None:
+                    break
+                ids, start = head.ids, 0
+            n = len(ids)
             cost = prefill_length(n) if n <= PREFILL_CHUNK else PREFILL_CHUNK
             if spent and spent + cost > self.prefill_budget:
                 break
+            if self._defer((start, cost, start + PREFILL_CHUNK >= n), decoding):
+                break
+            if not self.prefilling and not self._admit():
+                break  # the head waits for pages
+            slot = self.prefilling[0]
+            seq = self.slots[slot]
             if not seq.resumed:
                 seq.resumed = True
                 self._reuse_prefix(slot, seq)
             key = (seq.start, cost, seq.start + PREFILL_CHUNK >= n)
-            if decoding and self._over_slo(key, decoding):
-                self.deferred += 1
-                if self.metrics is not None:
-                    self.metrics.prefill_deferred.inc()
-                break
+            if seq.start != start and self._defer(key, decoding):
+                break  # a pinned prefix moved its first block
             spent += cost
             t = time.perf_counter()
             tok = eng.prefill_chunk(slot, seq.req.ids, seq.start, seq.req.sampling)
@@ -365,6 +364,36 @@ class Scheduler:
         with self.cond:
             self._gauges()
         self._cache_metrics(live)
+
+    def _admit(self) -> bool:
+        """Give the head of the queue the lowest free slot, as its prefill starts
+        (so that sequences decoding one after another reuse the same low slots, and
+        a decode step's width stays narrow), if the pool can take all it may still
+        need; else it waits (FIFO: nothing overtakes it)."""
+        eng = self.engine
+        with self.cond:
+            if not self.waiting or None not in self.slots:
+                return False
+            slot, r = self.slots.index(None), self.waiting[0]
+            shared = eng.hold_prefix(slot, r.ids)
+            need = self.pages_needed(r) - shared
+            if eng.cache_cfg is not None and self.reserved() + need > eng.pool_available():
+                eng.drop_hold(slot)
+                return False
+            self.waiting.popleft()
+            self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos), shared=shared)
+            self.prefilling.append(slot)
+            self._gauges()
+            return True
+
+    def _defer(self, key: tuple[int, int, bool], decoding: list[_Seq]) -> bool:
+        """Whether prefill block `key` waits for the TPOT target (counted)."""
+        if not decoding or not self._over_slo(key, decoding):
+            return False
+        self.deferred += 1
+        if self.metrics is not None:
+            self.metrics.prefill_deferred.inc()
+        return True
 
     def _over_slo(self, key: tuple[int, int, bool], decoding: list[_Seq]) -> bool:
         """Whether running prefill block `key` now would put a decoding request's
