@@ -208,6 +208,8 @@ def test_serve_default_budget_is_a_16th_of_the_context(context, page, budget):
     (["serve", "--kv-cache-memory", "12XB"], "cannot parse size '12XB'"),
     (["serve", "--attention", "sparse"], "argument --attention: invalid choice"),
     (["serve", "--kv-pool-pages", "0"], "argument --kv-pool-pages: must be >= 1"),
+    (["serve", "--tpot-slo-ms", "0"], "argument --tpot-slo-ms: must be > 0.0"),
+    (["serve", "--tpot-slo-ms", "nan"], "argument --tpot-slo-ms: must be a finite number"),
     (["serve", "--attention", "dense", "--kv-pool-pages", "8"],
      "kv_pool_pages: only attention='hisparse' has a page pool"),
     (["bench", "serve", "--slo", "latency=5"], "--slo 'latency=5': keys are ttft_ms"),
