@@ -44,26 +44,6 @@ inline __m256i RoundBf16(__m512 x, __m512* back) {
   return bits;
 }
 
-// 2^x on 16 lanes for x <= 0 (Cephes' exp2f polynomial on the fraction in
-// [-0.5, 0.5], ~2e-7 relative): the scores are in log2 units (the queries carry
-// log2(e)), which saves exp's multiply and its two-step range reduction. Without
-// `clamp` x must not be -inf (the diagonal's hidden keys are; other blocks' scores
-// are finite or NaN); a very negative x gives 0, NaN stays NaN.
-template <bool clamp>
-inline __m512 Exp2x16(__m512 x) {
-  if (clamp) x = _mm512_max_ps(_mm512_set1_ps(-200.f), x);  // NaN in x is returned as x
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct Interleave {
   alignas(64) int16_t idx[32];
   Interleave() {

@@ -107,6 +107,28 @@ inline __m512 Exp16(__m512 x) {
 #endif
 
 #if defined(__AVX512F__)
+// 2^x on 16 lanes for x <= 0 (Cephes' exp2f polynomial on the fraction in
+// [-0.5, 0.5], ~2e-7 relative): for scores kept in log2 units, it saves Exp16's
+// multiply and its two-step range reduction (causal_attention.cc). Without
+// `clamp` x must not be -inf (a masked score is); a very negative x gives 0, NaN
+// stays NaN.
+template <bool clamp>
+inline __m512 Exp2x16(__m512 x) {
+  if (clamp) x = _mm512_max_ps(_mm512_set1_ps(-200.f), x);  // NaN in x is returned as x
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
 // 16 bf16 -> f32.
 inline __m512 Bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
