@@ -168,8 +168,13 @@ def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
     seq = _Seq(Request([1], 4, GREEDY, Collect()), None, decoding=True, generated=generated,
                first=time.perf_counter() - first_ago)
     assert sched._over_slo((0, 512, False), [seq]) == over
+
+
+@pytest.mark.parametrize("slo", [0, -1.0, float("nan")])
+def test_tpot_slo_must_be_positive(slo):
+    from types import SimpleNamespace
     with pytest.raises(ValueError, match="tpot_slo"):
-        Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=0)
+        Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=slo)
 
 
 def test_nan_in_one_sequence_never_reaches_another(model, long_ids):
