@@ -122,7 +122,10 @@ def encode_cold_keys(k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     bad = jnp.any(jnp.isnan(k), axis=-2)
     center = jnp.where(bad, jnp.nan, center).astype(jnp.bfloat16)
     radius = jnp.where(bad, jnp.nan, radius).astype(FP8_DTYPE)
-    lo, step = _key_grid(center, radius)
+    # XLA:CPU would fuse the grid's math (an e4m3 rounding among it) into the loop
+    # over every key, redoing it page-size x 2 times per channel (the fill's
+    # costliest part at a long prompt): computed once, per channel
+    lo, step = jax.lax.optimization_barrier(_key_grid(center, radius))
     return pack_int4(_quantize(k, lo, step)), center, radius
 
 
@@ -147,6 +150,7 @@ def encode_cold_values(v: jax.Array, group: int) -> tuple[jax.Array, jax.Array, 
     zero = jnp.where(bad, jnp.nan, round_bf16_down(jnp.min(g, axis=-1))).astype(jnp.bfloat16)
     step = round_bf16_up((jnp.max(g, axis=-1) - zero.astype(jnp.float32)) * INV_INT4_LEVELS)
     step = jnp.where(bad, jnp.nan, step).astype(jnp.bfloat16)
+    zero, step = jax.lax.optimization_barrier((zero, step))  # once per group, as for keys
     codes = _quantize(g, zero.astype(jnp.float32)[..., None], step.astype(jnp.float32)[..., None])
     return pack_int4(codes.reshape(v.shape)), step, zero
 
