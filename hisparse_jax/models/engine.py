@@ -237,6 +237,13 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, products,
     return tok[0], logits[0], stage
 
 
+@jax.jit
+def _slot_pages(page_table, poisoned, slot):
+    """`slot`'s page table [L, max_pages] and whether a layer poisoned it: one program
+    for every slot and prompt length (indexing with Python ints compiles one each)."""
+    return page_table[:, slot], jnp.any(poisoned[:, slot])
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_stage(stage, k, v):
     """K/V [L, n, Hkv, D] into the staging buffer's first n positions."""
@@ -555,20 +562,24 @@ class Engine:
             return
         self.num_free -= need
         hold = self._holds.pop(slot, None)
-        if ids is not None and not bool(jnp.any(self.caches.poisoned[:, slot])):
-            self._index(slot, ids)
+        if ids is not None:
+            rows, poisoned = _slot_pages(self.caches.page_table, self.caches.poisoned,
+                                         jnp.int32(slot))
+            if not bool(poisoned):
+                self._index(slot, ids, np.asarray(rows))
         if hold:
             with self.prefix.writer():
                 self.prefix.release(hold[0])
 
-    def _index(self, slot: int, ids):
+    def _index(self, slot: int, ids, rows: np.ndarray):
         """Index the prompt's sink and cold pages (only cold pages are shared; the
-        window's pages are the sequence's own), bounding the index's size."""
+        window's pages are the sequence's own), bounding the index's size. rows: the
+        slot's page table [L, max_pages]."""
         c, layers = self.cache_cfg, self.model.cfg.num_layers
         full = min(len(ids) // c.page_size, c.sink_pages + self._cold(len(ids)))
         if full <= c.sink_pages:
             return  # no cold page: nothing to share
-        rows = np.asarray(self.caches.page_table[:, slot, :full])  # [L, full]
+        rows = rows[:, :full]
         base = np.arange(layers)[:, None] * c.pool_pages
         pages = [tuple(int(x) for x in rows[:, i] + base[:, 0]) if rows[:, i].min() >= 0
                  else () for i in range(full)]
