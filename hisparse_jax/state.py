@@ -186,7 +186,8 @@ def _encode_cold(cfg, k_pages, v_pages, implementation):
     int4_v_scale, int4_v_zero, digest_center, digest_radius}, each [n, Hkv, ...]."""
     _, encode_cold_keys, encode_cold_values = _encoders(implementation, cfg)
     # the pages materialized first: fused into the encoders' loops, their transpose
-    # from token order was redone per code (2.4x the fill's time at a 7.8K prompt)
+    # from token order was redone per code (most of a long prompt's fill time:
+    # benchmarks/prefill_fill.py)
     k_pages, v_pages = jax.lax.optimization_barrier((k_pages, v_pages))
     kq, center, radius = encode_cold_keys(k_pages)
     vq, vs, vz = encode_cold_values(v_pages, cfg.value_group)

@@ -5,6 +5,9 @@ never pinned or referenced ones; a poisoned prompt is never indexed."""
 
 from __future__ import annotations
 
+import logging
+
+import jax
 import numpy as np
 import pytest
 from models_fixtures import smollm2
@@ -112,3 +115,30 @@ def test_a_poisoned_prompt_is_never_indexed():
     assert not np.asarray(eng.caches.poisoned)[:, 1].any()
     with pytest.raises(ValueError, match="3 token ids for K/V of"):
         eng.prefill_kv(0, k, k, next_token=1, ids=ids[:3])
+
+
+def test_a_new_slot_or_prompt_length_compiles_nothing(model, caplog):
+    """After one chunked prompt, another in the other slot and one a page longer
+    (different tokens: nothing shared) compile no program: indexing the prompt's
+    pages reads its page table through one program for every slot and length (with
+    Python ints it compiled one per slot and per page count, ~0.1 s each)."""
+    m, _ = model
+    rng = np.random.default_rng(0)
+    eng = Engine(m, max_seqs=2, max_context=1024)
+
+    def serve(slot, n):
+        ids = rng.integers(0, m.cfg.vocab_size, n)
+        eng.prefill_chunk(slot, ids, 0)
+        assert eng.prefill_chunk(slot, ids, PREFILL_CHUNK) is not None
+        eng.release(slot)
+
+    serve(0, 600)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="jax"):
+            serve(1, 600)
+            serve(0, 616)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
+    assert compiled == []
