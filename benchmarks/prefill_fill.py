@@ -58,7 +58,7 @@ def one_case(engines, tok, n, repeats) -> dict:
                 e.prefill(1, ids)
                 return e.caches
             row[f"prefill_{name}_ms"] = median_ms(run, repeats)
-    t = eng.prefill_length(n)
+    t = eng.fill_length(n, hs.max_context)
     rng = np.random.default_rng(n)
     k, v = (jnp.asarray(rng.normal(size=(mc.num_layers, t, mc.num_kv_heads, mc.head_dim)),
                         jnp.bfloat16) for _ in range(2))

@@ -118,26 +118,30 @@ def test_a_poisoned_prompt_is_never_indexed():
 
 
 def test_a_new_slot_or_prompt_length_compiles_nothing(model, caplog):
-    """After one chunked prompt, another in the other slot and one a page longer
-    (different tokens: nothing shared) compile no program: indexing the prompt's
-    pages reads its page table through one program for every slot and length (with
-    Python ints it compiled one per slot and per page count, ~0.1 s each)."""
+    """After one chunked prompt of 3,000 tokens, another in the other slot and one of
+    3,300 (different tokens: nothing shared) compile no program. Indexing the
+    prompt's pages reads its page table through one program for every slot and
+    length (with Python ints it compiled one per slot and per page count), and
+    both lengths fill the cache from 4,096 staged positions
+    (`fill_length`; whole blocks, 3,072 and 3,584, made a fill program each)."""
     m, _ = model
     rng = np.random.default_rng(0)
-    eng = Engine(m, max_seqs=2, max_context=1024)
+    # a pool that holds all three prompts: no eviction (whose page references
+    # compile per power of two of pages evicted)
+    eng = Engine(m, max_seqs=2, max_context=4096, cache_overrides={"num_pool_pages": 1024})
 
     def serve(slot, n):
         ids = rng.integers(0, m.cfg.vocab_size, n)
-        eng.prefill_chunk(slot, ids, 0)
-        assert eng.prefill_chunk(slot, ids, PREFILL_CHUNK) is not None
+        firsts = [eng.prefill_chunk(slot, ids, start) for start in range(0, n, PREFILL_CHUNK)]
+        assert firsts[-1] is not None
         eng.release(slot)
 
-    serve(0, 600)
+    serve(0, 3000)
     jax.config.update("jax_log_compiles", True)
     try:
         with caplog.at_level(logging.DEBUG, logger="jax"):
-            serve(1, 600)
-            serve(0, 616)
+            serve(1, 3000)
+            serve(0, 3300)
     finally:
         jax.config.update("jax_log_compiles", False)
     compiled = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]

@@ -260,6 +260,10 @@ def test_one_program_per_shape(tiny):
     e.prefill(0, [7] * 13)
     assert eng._prefill._cache_size() == n_prefill
     assert eng.prefill_length(5) == 64 and eng.prefill_length(700) == 1024
+    # the fill's padded length: powers of two past a block, capped at the staging buffer
+    for n, context, want in [(5, 8192, 64), (600, 8192, 1024), (1100, 2048, 2048),
+                             (1100, 8192, 2048), (5000, 6000, 6144), (7800, 8192, 8192)]:
+        assert eng.fill_length(n, context) == want, (n, context)
 
 
 def test_generate_batch(tiny):

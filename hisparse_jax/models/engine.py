@@ -77,6 +77,17 @@ def prefill_length(n: int) -> int:
     return -(-n // PREFILL_CHUNK) * PREFILL_CHUNK
 
 
+def fill_length(n: int, max_context: int) -> int:
+    """Padded length of the K/V an n-token prompt fills the HiSparse cache from:
+    `prefill_length` up to a block, then powers of two up to the staging buffer's
+    length (max_context in whole blocks). A fill program (seconds to compile) per
+    length: a few for any context, where whole blocks made one per block count,
+    for at most twice the fill's work (the padding is encoded, then dropped)."""
+    if n <= PREFILL_CHUNK:
+        return prefill_length(n)
+    return min(1 << (n - 1).bit_length(), prefill_length(max_context))
+
+
 # ---------------------------------------------------------------- jitted programs
 
 def dense_attention(q, k, v, lengths):
@@ -725,7 +736,7 @@ class Engine:
         if self.cache_cfg is None:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
         else:
-            t = prefill_length(n)
+            t = fill_length(n, self.max_context)
             self._fill_kv(slot, k[:, :t], v[:, :t], n, self._shared(slot, t))
         self._end_fill(slot, ids, need)
         self._stage_slot = None
@@ -806,7 +817,7 @@ class Engine:
                 raise ValueError(f"ids: {len(ids)} token ids for K/V of {n} tokens")
         self._empty(slot)
         need = self._begin_fill(slot, ids, n)
-        pad = prefill_length(n) - n
+        pad = fill_length(n, self.max_context) - n
         pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
                                                                    (0, 0)))
         if self.cache_cfg is None:
@@ -1018,13 +1029,14 @@ class Engine:
                                  jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
                                  products=self.product_implementation,
                                  prefill=self.prefill_implementation).compile()
-            kv = [x[:, :n] for x in self._stage]
+            t = fill_length(min(prompt_len, self.max_context - 1), self.max_context)
+            kv = [x[:, :t] for x in self._stage]
             if self.cache_cfg is None:
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *self._stage).compile()
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
-                                  jnp.int32(1), self._shared(-1, n), self.offload).compile()
+                                  jnp.int32(1), self._shared(-1, t), self.offload).compile()
         if self.offload:
             # Many small programs: compiled by running a step at each width while no
             # slot holds a sequence (nothing is selected or copied; the scheduler's
