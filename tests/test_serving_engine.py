@@ -4,6 +4,8 @@ with the running decodes, frees slots at once and bounds its queue."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from models_fixtures import smollm2
@@ -160,7 +162,6 @@ def test_tpot_slo_defers_prompt_blocks_while_decodes_run(model, long_ids, slo, d
 ])
 def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
     import time
-    from types import SimpleNamespace
 
     from hisparse_jax.serving.scheduler import _Seq
     sched = Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=slo)
@@ -172,7 +173,6 @@ def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
 
 @pytest.mark.parametrize("slo", [0, -1.0, float("nan")])
 def test_tpot_slo_must_be_positive(slo):
-    from types import SimpleNamespace
     with pytest.raises(ValueError, match="tpot_slo"):
         Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=slo)
 
