@@ -4,12 +4,11 @@ warm-up. One JSON row per engine: median step time, the tokens' equality with th
 all-resident engine, and the offload counters (hit rate, pages and bytes copied).
 
     .venv/bin/python benchmarks/engine_offload.py [--prompt-tokens 1500] [--slots 4]
-        [--active 2] [--budget-tokens 128] [--steps 40] [--programs]
+        [--active 2] [--budget-tokens 128] [--steps 40]
 
---programs: then, for each offloaded engine, 10 more steps with every program of
-the layer loop waited for and timed alone (`programs_ms_per_step`; the rest of
-the step, `other_ms_per_step`, is Python and the host's own work). The waits
-slow the step: its time is in `timed_step_ms`.
+An offloaded step is one program (`engine._decode_offloaded`) since 2026-12-06;
+rows before that date timed one with two programs and a host sync per layer
+(their `programs_ms_per_step` came from a `--programs` option that timed each).
 """
 
 from __future__ import annotations
@@ -20,11 +19,9 @@ import json
 import sys
 import time
 
-import jax
 import numpy as np
 
-from hisparse_jax import offload, scheduler
-from hisparse_jax.models import engine as engine_module
+from hisparse_jax import scheduler
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.registry import load
 
@@ -40,8 +37,6 @@ def main(argv=None):
     p.add_argument("--active", type=int, default=2)
     p.add_argument("--budget-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--programs", action="store_true",
-                   help="also time each program of an offloaded step alone")
     args = p.parse_args(argv)
     model, tok = load("smollm2-135m")
     ids = np.asarray(tok.encode(TEXT * (args.prompt_tokens // 40 + 1))[:args.prompt_tokens],
@@ -75,43 +70,7 @@ def main(argv=None):
             row["hit_rate"] = round(c["hit_rate"], 4)
             row["h2d_kib_per_step"] = round(c["host_to_device_bytes_copied"] / args.steps
                                             / 1024, 1)
-            if args.programs:
-                row.update(time_programs(eng, steps=10))
         print(json.dumps({**row, "command": command, "date": date}), flush=True)
-
-
-PROGRAMS = ((engine_module, ("_offload_front", "_offload_back", "_logits_and_sample")),
-            (offload, ("_fetch_pages", "_put_copies", "_store_pages")))
-
-
-def time_programs(eng, steps: int) -> dict:
-    """`steps` decode steps with each program of the offloaded layer loop waited for
-    and timed alone: ms per step by program, and what is left of the step."""
-    spent = dict.fromkeys((n for _, names in PROGRAMS for n in names), 0.0)
-    saved = [(m, n, getattr(m, n)) for m, names in PROGRAMS for n in names]
-
-    def timed(name, f):
-        def run(*a, **k):
-            t = time.perf_counter()
-            out = jax.block_until_ready(f(*a, **k))
-            spent[name] += time.perf_counter() - t
-            return out
-        return run
-
-    for m, n, f in saved:
-        setattr(m, n, timed(n, f))
-    try:
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.decode_step()
-        total = time.perf_counter() - t
-    finally:
-        for m, n, f in saved:
-            setattr(m, n, f)
-    ms = lambda x: round(x / steps * 1e3, 2)
-    return {"timed_step_ms": ms(total),
-            "programs_ms_per_step": {n: ms(x) for n, x in spent.items()},
-            "other_ms_per_step": ms(total - sum(spent.values()))}
 
 
 if __name__ == "__main__":

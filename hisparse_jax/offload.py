@@ -248,8 +248,7 @@ _plan_copies = jax.jit(plan_copies, static_argnames=("cfg", "width", "implementa
 _attend_planned = jax.jit(attend_planned, static_argnames=("cfg", "implementation"))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _put_copies(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots, pages):
+def _put(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots, pages):
     """Copied pages into their slots: the prefetch's, then the selection's (a slot
     the plan refills after a prefetch ends with the later page), then the sample
     buffer's. ws [Hkv, B*W, ...], sample_ws [Hkv, B*S, ...]; each slot array names
@@ -257,6 +256,9 @@ def _put_copies(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots,
     put = lambda buf, slots: {f: buf[f].at[heads, slots].set(pages[f], mode="drop")
                               for f in buf}
     return put(put(ws, prefetch_slots), fetch_slots), put(sample_ws, sample_slots)
+
+
+_put_copies = jax.jit(_put, donate_argnums=(0, 1))
 
 
 MIN_COPY_ROWS = 64  # a page is ~1 KiB: padding a copy to 64 rows costs little
@@ -619,3 +621,157 @@ class OffloadedCache:
         evictions, hit_rate, host->device bytes), the cache's tier and prefix
         counters, and the resident cold pages."""
         return {**self.cache.counters(), **self.store_.counters(self.cfg)}
+
+
+# ---------------------------------------------------------------- every layer in one program
+
+COPY_CHUNK = 64  # pages a copy inside a step moves at a time (a page is ~1 KiB)
+
+
+@compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _host_scatter_layers(pool, layers, pool_ids, pages):
+    return pool.at[layers, :, pool_ids].set(pages, mode="drop")
+
+
+@compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _host_gather_layer(pool, layers, heads, pool_ids):
+    return pool[layers, heads, pool_ids]
+
+
+def store_pages(host, pools, pool_ids, pages):
+    """New cold pages of every layer into the stacked host pools: pools {field:
+    [L, Hkv, P, ...]} in host memory (sharding `host`), pool_ids [L, n] (>= P:
+    none), pages {field: [L, n, Hkv, ...]} on the device. Jit-traceable."""
+    layers = jnp.broadcast_to(jnp.arange(pool_ids.shape[0])[:, None], pool_ids.shape)
+    on_host = lambda x: jax.device_put(x, host)
+    return {f: _host_scatter_layers(pools[f], on_host(layers), on_host(pool_ids),
+                                    on_host(pages[f])) for f in pools}
+
+
+_store_layers = jax.jit(store_pages, static_argnums=0, donate_argnums=1)
+
+
+def copy_pages(shardings, pools, layer, ws, sample_ws, copies, working_set, fresh=None):
+    """`ColdStore.copy_in` inside a program, for layer `layer` (traced) of stacked
+    host pools: the pages `copies` [n, Hkv, 2W + S] names (`Planned.copies`) go
+    from the host pool into the layer's working set `ws` and sample buffer
+    `sample_ws` ({field: [Hkv, slots, ...]}). The pages to copy are moved to the
+    front (in row order, so a slot's later copy still wins) and copied COPY_CHUNK
+    at a time, as many times as there are pages: no host sync, and only those
+    pages (and the last chunk's padding) cross. fresh (pool ids [B], codes {field:
+    [B, Hkv, ...]}): the pages that became cold in this step, still on the device
+    (`_store_layers` writes them after the layers). shardings: (host, device).
+    Jit-traceable. -> (ws, sample_ws, [pages copied, rows moved, sampled pages])."""
+    host, device = shardings
+    j = copies.shape[-1]
+    w, s = working_set, j - 2 * working_set
+    flat = copies.reshape(-1)
+    valid = flat >= 0
+    count = jnp.sum(valid, dtype=jnp.int32)
+    rows = -(-flat.size // COPY_CHUNK) * COPY_CHUNK
+    order = jnp.pad(jnp.argsort(~valid, stable=True), (0, rows - flat.size))
+    live = jnp.arange(rows) < count
+    b, head, k = (x.astype(jnp.int32) for x in jnp.unravel_index(order, copies.shape))
+    pool_id = jnp.where(live, flat[order], 0)
+    part = jnp.where(k < w, 0, jnp.where(k < 2 * w, 1, 2))
+    slot = jnp.where(part < 2, b * w + k % w, b * s + k - 2 * w)
+    none = jnp.iinfo(jnp.int32).max
+    slots = [jnp.where(live & (part == p), slot, none) for p in range(3)]
+    on_host = lambda x: jax.device_put(x, host)
+
+    def body(carry):
+        i, ws, sample_ws = carry
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, i, COPY_CHUNK)
+        heads, ids = take(head), take(pool_id)
+        where = [on_host(x) for x in (jnp.full_like(heads, layer), heads, ids)]
+        pages = {f: jax.device_put(_host_gather_layer(pools[f], *where), device) for f in ws}
+        if fresh is not None:
+            fresh_ids, codes = fresh
+            match = ids[:, None] == fresh_ids[None, :]
+            hit, src = jnp.any(match, axis=1), jnp.argmax(match, axis=1)
+            pages = {f: jnp.where(hit.reshape((-1,) + (1,) * (x.ndim - 1)),
+                                  codes[f][src, heads], x) for f, x in pages.items()}
+        ws, sample_ws = _put(ws, sample_ws, heads, *(take(x) for x in slots), pages)
+        return i + COPY_CHUNK, ws, sample_ws
+
+    _, ws, sample_ws = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                          (jnp.int32(0), ws, sample_ws))
+    sampled = jnp.sum(valid & (jnp.arange(flat.size) % j >= 2 * w), dtype=jnp.int32)
+    moved = -(-count // COPY_CHUNK) * COPY_CHUNK
+    return ws, sample_ws, jnp.stack([count, moved, sampled])
+
+
+class LayerColdStores(NamedTuple):
+    """Offload mode's cold parts of a layer-stacked state (the serving engine's,
+    `models.engine`): every layer's host pool, working set, sample buffer and
+    scheduler state (as a `ColdStore` holds one layer's) stacked on a leading layer
+    axis, so that a decode step reads and writes them all in one program. A
+    pytree: the step takes and returns it whole. `copied`: [pages copied, rows
+    moved, sampled pages copied] since the counters were last read."""
+    host: dict          # {field: [L, Hkv, P, ...]} in host memory
+    ws: dict            # {field: [L, Hkv, B*W, ...]}
+    sample_ws: dict     # {field: [L, Hkv, B*S, ...]}
+    sample_held: jax.Array  # [L, B, Hkv, S]
+    sched: scheduler.SchedulerState  # stacked [L, ...]
+    copied: jax.Array   # [3] int32
+
+    @classmethod
+    def empty(cls, cfg: HiSparseConfig, layers: int, device, working_set: int,
+              policy: scheduler.Policy | None = None) -> LayerColdStores:
+        """Empty pools made in host memory (never on the device), empty working sets."""
+        host_sh, device_sh = shardings(device)
+        shapes = jax.eval_shape(lambda: st.init_state(cfg))
+        host = {f: jax.device_put(np.zeros((layers,) + getattr(shapes, f).shape,
+                                           getattr(shapes, f).dtype), host_sh)
+                for f in HOST_FIELDS}
+        b, h, w, s = cfg.max_seqs, cfg.num_kv_heads, working_set, cfg.sample_pages
+        slots = lambda n: {f: jnp.zeros((layers, h, n) + x.shape[3:], x.dtype)
+                           for f, x in host.items()}
+        sched = scheduler.init_state(b, h, w, policy or scheduler.Policy())
+        # committed to the device, as every later value of them is (one program per shape)
+        device_parts = jax.device_put(
+            (slots(b * w), slots(b * s), jnp.full((layers, b, h, s), -1, jnp.int32),
+             jax.tree.map(lambda x: jnp.repeat(x[None], layers, axis=0), sched),
+             jnp.zeros(3, jnp.int32)), device_sh)
+        return cls(host, *device_parts)
+
+    @property
+    def working_set(self) -> int:
+        return self.sched.resident.shape[-1]
+
+    def store(self, pool_ids, cold) -> LayerColdStores:
+        """A prefill's new cold pages: pool ids [L, n] (>= pool size: none), codes
+        {field: [L, n, Hkv, ...]} -> the host pools."""
+        host_sh = next(iter(self.host.values())).sharding
+        return self._replace(host=_store_layers(host_sh, self.host, pool_ids,
+                                                {f: cold[f] for f in HOST_FIELDS}))
+
+    def forget(self, seq) -> LayerColdStores:
+        """Sequence `seq` is empty: none of its pages may stay resident in any layer."""
+        return self._replace(
+            sched=jax.vmap(lambda s: scheduler.forget_sequence(s, seq))(self.sched),
+            sample_held=self.sample_held.at[:, seq].set(-1))
+
+    def device_bytes(self) -> int:
+        """The working sets, sample buffers and scheduler states."""
+        return (layout.nbytes(self.ws) + layout.nbytes(self.sample_ws)
+                + layout.nbytes(self.sched))
+
+    def take_counts(self, counted: np.ndarray, copied: np.ndarray):
+        """The int32 device counters added into the host's int64 ones (`counted`
+        [len(COUNTERS)], `copied` [3]) and zeroed, so that a long-running server
+        never sees them wrap. -> (self with zeroed counters, counted, copied)."""
+        now = np.asarray(self.sched.counters).astype(np.int64).sum(axis=0)
+        moved = np.asarray(self.copied).astype(np.int64)
+        if not (now.any() or moved.any()):
+            return self, counted, copied
+        zeros = lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+        out = self._replace(sched=self.sched.replace(counters=zeros(self.sched.counters)),
+                            copied=zeros(self.copied))
+        return out, counted + now, copied + moved
+
+
+def shardings(device) -> tuple[SingleDeviceSharding, SingleDeviceSharding]:
+    """(host, device) shardings of offload mode's arrays on `device`."""
+    return (SingleDeviceSharding(device, memory_kind=host_memory_kind(device)),
+            SingleDeviceSharding(device, memory_kind="device"))

@@ -1,7 +1,7 @@
 """The model engine's offload mode (`Engine(offload=True)`): the cold int4 codes
-of every layer live in host memory (`offload.ColdStore`), the device state holds
-none, and a decode step copies each layer's missing pages between its selection
-and its attention. Served on the real model, the tokens and logits equal the
+of every layer live in host memory (`offload.LayerColdStores`), the device state
+holds none, and a decode step (one program) copies each layer's missing pages
+between its selection and its attention. Served on the real model, the tokens and logits equal the
 all-resident engine's bit for bit: long prompts (one program and block by block),
 a shared prefix, a slot released and filled again."""
 
@@ -54,7 +54,7 @@ def test_offload_decodes_the_same_tokens_and_logits_as_all_resident(model, polic
     resident, off = Engine(m, **kw), Engine(m, **kw, offload=True, policy=policy)
     c = off.cache_cfg
     assert off.caches.int4_k.shape[2] == 0  # no cold codes on the device
-    assert all(s.host["int4_k"].sharding.memory_kind == s.memory_kind for s in off.cold)
+    assert off.cold.host["int4_k"].sharding.memory_kind in ("pinned_host", "unpinned_host")
     assert _fill(off, prompts) == _fill(resident, prompts)
     np.testing.assert_array_equal(np.asarray(off.logits), np.asarray(resident.logits))
     off.warmup(16)  # its step with no active slot changes nothing
@@ -73,11 +73,11 @@ def test_offload_decodes_the_same_tokens_and_logits_as_all_resident(model, polic
     assert got["host_to_device_bytes_copied"] == (got["fetched"] + got["sample_pages_copied"]) * page
     assert 0 < got["hit_rate"] < 1
     # the int32 device counters were moved to the host (a server never sees them wrap)
-    assert not any(np.asarray(s.sched.counters).any() for s in off.cold)
+    assert not np.asarray(off.cold.sched.counters).any() and not np.asarray(off.cold.copied).any()
     assert off.offload_counters() == got
     # every layer's host pool holds what the resident pool holds, page for page
     live = np.flatnonzero(np.asarray(resident.caches.refcount[5]) > 0)
-    np.testing.assert_array_equal(np.asarray(off.cold[5].host["int4_k"])[:, live],
+    np.testing.assert_array_equal(np.asarray(off.cold.host["int4_k"][5])[:, live],
                                   np.asarray(resident.caches.int4_k[5])[:, live])
     assert off.pool_usage() == resident.pool_usage()
 
@@ -102,7 +102,7 @@ def test_an_offloaded_engine_holds_less_on_the_device(model):
     dev = lambda e: sum(x.nbytes for x in jax.tree.leaves(e.caches))
     codes = sum(getattr(resident.caches, f).nbytes for f in st.OFFLOAD_FIELDS)
     assert dev(resident) - dev(off) == codes
-    host = sum(x.nbytes for s in off.cold for x in s.host.values())
+    host = sum(x.nbytes for x in off.cold.host.values())
     assert host == codes
     assert "offloaded to host memory" in off.capacity_line()
     # the working set is the one the capacity planner sizes (capped at the cold pages)
@@ -140,9 +140,7 @@ def test_a_narrow_offloaded_step_equals_the_full_one(model):
     new = st.num_cold_pages(c, narrow.lens) - st.num_cold_pages(c, lens)
     assert new.tolist()[:2] == [0, 1]
     assert narrow.pool_usage()[0] == used + m.cfg.num_layers  # stored in every layer's pool
-    leaves = lambda eng: jax.tree.leaves((eng.caches, [(s.host, s.ws, s.sample_ws,
-                                                         s.sample_held, s.sched)
-                                                        for s in eng.cold]))
+    leaves = lambda eng: jax.tree.leaves((eng.caches, eng.cold))
     for a, b in zip(leaves(narrow), leaves(full), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     got = narrow.offload_counters()

@@ -170,3 +170,68 @@ def test_copy_in_puts_each_page_in_its_slot():
         np.testing.assert_array_equal(np.asarray(store.sample_ws[f]), want_sample)
     assert store.host_to_device_bytes == 4 * scheduler.page_bytes(cfg)
     assert store.sample_pages_copied == 1
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["stored", "fresh"])
+def test_copy_pages_inside_a_program_puts_each_page_in_its_slot(fresh):
+    """`offload.copy_pages`, the engine's in-program copy (no host sync), against a
+    numpy replay of `copies` in row order (a slot's later copy wins): layer 1 of
+    two stacked host pools, 150 pages over three chunks of COPY_CHUNK, one slot
+    copied twice across a chunk boundary (prefetch in the first chunk, the plan's
+    refill in the second), sampled pages, and, with `fresh`, pages that became
+    cold this step read from the device rather than the stale host pool."""
+    import jax
+    import jax.numpy as jnp
+
+    from hisparse_jax import offload
+
+    rng = np.random.default_rng(3)
+    layers, heads, pages, b, w, s = 2, 3, 400, 4, 40, 8
+    fields = {"int4_k": ((16, 32), np.uint8), "int4_v_scale": ((16,), np.float32)}
+    make = lambda shape, dt: (rng.integers(0, 255, shape).astype(dt) if dt == np.uint8
+                              else rng.standard_normal(shape).astype(dt))
+    host_np = {f: make((layers, heads, pages, *sh), dt) for f, (sh, dt) in fields.items()}
+    copies = np.full((b, heads, 2 * w + s), -1, np.int32)
+    flat = copies.reshape(-1)
+    spots = np.sort(rng.choice(flat.size, 150, replace=False))
+    flat[spots] = rng.integers(0, pages, 150)
+    # (seq 1, head 1): slot 5 prefetched, then refilled by the plan, with the
+    # prefetch's other slots and the plan's first ones between them
+    row = (1 * heads + 1) * (2 * w + s)
+    flat[row:row + 2 * w + s] = -1
+    flat[row + 6:row + w + 5] = rng.integers(0, pages, w - 1)
+    flat[row + 5], flat[row + w + 5] = 11, 12
+    assert np.sum(flat[:row + 5] >= 0) < offload.COPY_CHUNK <= np.sum(flat[:row + w + 5] >= 0)
+    fresh_ids = np.array([12, pages, 7, pages], np.int32)  # pages 12 and 7 are new
+    codes = {f: make((b, heads, *sh), dt) for f, (sh, dt) in fields.items()}
+    want_ws = {f: np.zeros((heads, b * w, *sh), dt) for f, (sh, dt) in fields.items()}
+    want_sample = {f: np.zeros((heads, b * s, *sh), dt) for f, (sh, dt) in fields.items()}
+    for bi, h, j in zip(*np.nonzero(copies >= 0), strict=True):
+        page = copies[bi, h, j]
+        for f in fields:
+            src = host_np[f][1, h, page]
+            if fresh and page in fresh_ids:
+                src = codes[f][list(fresh_ids).index(page), h]
+            if j < 2 * w:
+                want_ws[f][h, bi * w + j % w] = src
+            else:
+                want_sample[f][h, bi * s + j - 2 * w] = src
+    dev = jax.devices()[0]
+    sh = offload.shardings(dev)
+    pools = {f: jax.device_put(x, sh[0]) for f, x in host_np.items()}
+    zeros = lambda want: {f: jnp.zeros_like(x) for f, x in want.items()}
+
+    @jax.jit
+    def run(pools, ws, sample_ws, copies):
+        return offload.copy_pages(sh, pools, jnp.int32(1), ws, sample_ws, copies, w,
+                                  (jnp.asarray(fresh_ids), jax.tree.map(jnp.asarray, codes))
+                                  if fresh else None)
+
+    ws, sample_ws, counts = run(pools, zeros(want_ws), zeros(want_sample), copies)
+    for f in fields:
+        np.testing.assert_array_equal(np.asarray(ws[f]), want_ws[f])
+        np.testing.assert_array_equal(np.asarray(sample_ws[f]), want_sample[f])
+    n = int(np.sum(copies >= 0))
+    sampled = int(np.sum(copies[..., 2 * w:] >= 0))
+    assert np.asarray(counts).tolist() == [n, -(-n // offload.COPY_CHUNK) * offload.COPY_CHUNK,
+                                           sampled]

@@ -30,10 +30,11 @@ and are evicted, oldest first, when the pool runs short (`pool_available`
 counts them as free).
 
 Offload mode (`offload=True`, HiSparse): the stacked state holds no cold codes;
-each layer's live in host memory (`offload.ColdStore`). Prefill writes a prompt's
-new cold pages there; a decode step runs layer by layer (`_decode_offloaded`), the
-host copying each layer's missing pages between its selection and its attention.
-The same bytes are attended, so the tokens equal the all-resident engine's.
+every layer's live in host memory (`offload.LayerColdStores`). Prefill writes a
+prompt's new cold pages there; a decode step is one program (`_decode_offloaded`)
+in which each layer copies its missing pages from the host between its selection
+and its attention. The same bytes are attended, so the tokens equal the
+all-resident engine's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from flax import nnx
 from cpu_kernels import ops as cpu_ops
 from hisparse_jax import attention as att
 from hisparse_jax import layout, scheduler
+from hisparse_jax import offload as off
 from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import HiSparseConfig, preset, resolve_prefill, resolve_products
@@ -61,7 +63,7 @@ from hisparse_jax.models.sampling import (
     sample_slots,
     slot_params,
 )
-from hisparse_jax.offload import ColdStore, attend_planned, plan_copies
+from hisparse_jax.offload import attend_planned, plan_copies
 from hisparse_jax.prefix import PrefixIndex
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, check_working_set
 
@@ -205,7 +207,7 @@ def _new_cold_buffer(hcfg: HiSparseConfig, layers: int, t: int):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _offloaded(hcfg: HiSparseConfig, layers: int):
     """`state.init_stacked` without the cold codes (their pool axis empty): offload
-    mode keeps them in host memory (`offload.ColdStore`, one per layer)."""
+    mode keeps them in host memory (`offload.LayerColdStores`)."""
     caches = st.init_stacked(hcfg, layers)
     return caches.replace(**{f: jnp.zeros(x.shape[:2] + (0,) + x.shape[3:], x.dtype)
                              for f in st.OFFLOAD_FIELDS for x in [getattr(caches, f)]})
@@ -318,47 +320,63 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
-                                             "first", "width"), donate_argnames="caches")
-def _offload_front(params, caches, x, tokens, lens, active, layer, sched, held, below, *,
-                   graphdef, hcfg, implementation, products, first, width):
-    """Offload mode, one layer of a decode step up to its copies: the layer's q
-    [B, Hq, D], its K/V appended (the pages that became cold: pool ids [B] and
-    codes, `state.append_layer`'s), then everything the layer decides before the
-    host copies its pages (`offload.plan_copies`: the prefetch of `below`, the
-    selection over the first `width` slots, the plan). The first layer embeds
-    `tokens` (x is ignored). -> (x, q, caches, pool_ids, codes, sched, held, planned)."""
+                                             "width", "new_cold", "shardings"),
+                   donate_argnames=("caches", "cold"))
+def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graphdef, hcfg,
+                      implementation, products, width, new_cold, shardings):
+    """Offload mode's decode step, one program: `_decode`'s, with each layer's cold
+    pages read from its working set after the layer copied in what its selection
+    needs (`offload.plan_copies`, `copy_pages`, `attend_planned`). cold:
+    `offload.LayerColdStores`. The first `width` slots are selected and attended;
+    new_cold: some slot's page becomes cold (its codes go to the host pools after
+    the layers; a layer that selects it in this step takes it from the device).
+    -> (next tokens [B], logits [B, V], caches, cold)."""
     model = nnx.merge(graphdef, params)
-    if first:
-        x = model.embed_tokens(tokens)
-    q, k, v = model.blocks.attention_inputs(x, lens, model.rope(), layer, products)
-    caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active,
-                                              implementation=implementation)
-    sched, held, planned = plan_copies(hcfg, st.layer_view(hcfg, caches, layer), q, sched, held,
-                                       below, width=width, implementation=implementation)
-    return x, q, caches, pool_ids, codes, sched, held, planned
+    rope = model.rope()
+    w = cold.working_set
+    at = lambda tree, layer: jax.tree.map(lambda a: a[layer], tree)
+    put = lambda tree, layer, new: jax.tree.map(lambda a, b: a.at[layer].set(b), tree, new)
 
+    def layer_step(x, caches, parts, layer, below):
+        ws, sample_ws, held, sched, copied = parts
+        q, k, v = model.blocks.attention_inputs(x, lens, rope, layer, products)
+        caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active,
+                                                  implementation=implementation)
+        view = st.layer_view(hcfg, caches, layer)
+        sched_l, held_l, planned = plan_copies(hcfg, view, q, at(sched, layer), held[layer],
+                                               below, width=width,
+                                               implementation=implementation)
+        ws_l, sample_l, counts = off.copy_pages(shardings, cold.host, layer, at(ws, layer),
+                                                at(sample_ws, layer), planned.copies, w,
+                                                (pool_ids, codes) if new_cold else None)
+        out, candidates, _, last = attend_planned(hcfg, view, q, ws_l, sample_l, sched_l,
+                                                  held_l, planned,
+                                                  implementation=implementation)
+        caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last))
+        x = model.blocks.finish(x, out, layer, products)
+        parts = (put(ws, layer, ws_l), put(sample_ws, layer, sample_l),
+                 held.at[layer].set(held_l), put(sched, layer, sched_l), copied + counts)
+        return x, caches, parts, candidates, (pool_ids, codes)
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products"),
-                   donate_argnames="caches")
-def _offload_back(params, caches, x, q, layer, ws, sample_ws, sched, held, planned, *,
-                  graphdef, hcfg, implementation, products):
-    """The rest of the layer once its pages are in: attention over the resident
-    pages (`offload.attend_planned`), the output projection and MLP; the caches
-    remember the layer's candidates. -> (x, caches, candidates [B, Hkv, C]: what
-    the layer above prefetches)."""
-    model = nnx.merge(graphdef, params)
-    out, candidates, _, last = attend_planned(hcfg, st.layer_view(hcfg, caches, layer), q, ws,
-                                              sample_ws, sched, held, planned,
-                                              implementation=implementation)
-    caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last))
-    return model.blocks.finish(x, out, layer, products), caches, candidates
+    parts = (cold.ws, cold.sample_ws, cold.sample_held, cold.sched, cold.copied)
+    # the first layer has no layer below to prefetch for it
+    x, caches, parts, below, new0 = layer_step(model.embed_tokens(tokens), caches, parts,
+                                                jnp.int32(0), None)
 
+    def body(carry, layer):
+        x, caches, parts, below = carry
+        x, caches, parts, below, new = layer_step(x, caches, parts, layer, below)
+        return (x, caches, parts, below), (new if new_cold else None)
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "products"))
-def _logits_and_sample(params, x, lens, samp, *, graphdef, products):
-    model = nnx.merge(graphdef, params)
+    layers = jnp.arange(1, model.cfg.num_layers, dtype=jnp.int32)
+    (x, caches, parts, _), new = jax.lax.scan(body, (x, caches, parts, below), layers)
+    host = cold.host
+    if new_cold:
+        pool_ids, codes = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), new0, new)
+        host = off.store_pages(shardings[0], host, pool_ids, codes)
     logits = model.logits(x, products=products)
-    return sample_slots(logits, lens + 1, samp), logits
+    return (sample_slots(logits, lens + 1, samp), logits, caches,
+            off.LayerColdStores(host, *parts))
 
 
 # ---------------------------------------------------------------- the engine
@@ -409,7 +427,7 @@ class Engine:
             # committed to the device, as every later value is (one program per shape)
             self.caches = jax.device_put((_offloaded if offload else st.init_stacked)(
                 self.cache_cfg, layers), jax.devices()[0])
-            self.cold = None  # offload mode: one ColdStore per layer
+            self.cold = None  # offload mode: every layer's cold pools (LayerColdStores)
             if offload:
                 c = self.cache_cfg
                 # as the capacity planner sizes it: 2x a step's candidates, never
@@ -417,8 +435,12 @@ class Engine:
                 self.working_set = check_working_set(c.candidate_pages, min(
                     2 * c.candidate_pages, c._cold_pages) if working_set is None else working_set)
                 device = next(iter(self.caches.seq_lens.devices()))
-                self.cold = [ColdStore.empty(self.cache_cfg, device, self.working_set, policy)
-                             for _ in range(layers)]
+                self.shardings = off.shardings(device)
+                self.cold = off.LayerColdStores.empty(self.cache_cfg, layers, device,
+                                                      self.working_set, policy)
+                # the device's int32 counters, moved here (int64) when read
+                self.counted = np.zeros(len(scheduler.COUNTERS), np.int64)
+                self.copied = np.zeros(3, np.int64)  # pages copied, rows moved, sampled
             self.prefix = PrefixIndex(self.cache_cfg.page_size)
             self.prefix.bind(self._drop_pages)
             self.evicted_pages = 0  # per layer
@@ -455,8 +477,7 @@ class Engine:
     def _store_cold(self, pool_ids, codes):
         """Offload mode: a prefill's new cold pages (pool ids [L, n], codes
         {field: [L, n, ...]}) into each layer's host pool."""
-        for layer, store in enumerate(self.cold):
-            store.store(pool_ids[layer], {f: x[layer] for f, x in codes.items()})
+        self.cold = self.cold.store(pool_ids, codes)
 
     def _samp(self, slot: int | None = None) -> SlotSampling:
         """The sampling arrays of every slot, or of `slot` alone (a batch of one)."""
@@ -884,31 +905,13 @@ class Engine:
         return self.tokens.copy()
 
     def _decode_offloaded(self, active: np.ndarray, new_cold: bool, width: int):
-        """Offload mode's decode step, one layer at a time (the host copies each
-        layer's missing pages between its selection and its attention). Per layer
-        two programs and one host sync: `_offload_front` (K/V appended, the layer
-        below's candidates prefetched, selection and plan over the first `width`
-        slots), the pages that became cold stored in the layer's host pool, the
-        planned pages copied in (`ColdStore.copy_in`), `_offload_back` (attention
-        and the rest of the layer). The same bytes as the all-resident step reads:
-        the same tokens. -> (next tokens [B], logits [B, V])."""
-        tokens, lens = jnp.asarray(self.tokens), jnp.asarray(self.lens)
-        act = jnp.asarray(active)
-        x, below = jnp.zeros((), jnp.float32), None  # the first layer embeds the tokens
-        for layer, store in enumerate(self.cold):
-            idx = np.int32(layer)  # not jnp: an eager op a layer, ~80 us each
-            x, q, self.caches, pool_ids, codes, store.sched, store.sample_held, planned = (
-                _offload_front(self.params, self.caches, x, tokens, lens, act, idx, store.sched,
-                               store.sample_held, below, **self._static(), first=layer == 0,
-                               width=width))
-            if new_cold:
-                store.store(pool_ids, codes)
-            store.copy_in(planned.copies)
-            x, self.caches, below = _offload_back(
-                self.params, self.caches, x, q, idx, store.ws, store.sample_ws, store.sched,
-                store.sample_held, planned, **self._static())
-        return _logits_and_sample(self.params, x, lens, self._samp(), graphdef=self.graphdef,
-                                  products=self.product_implementation)
+        """Offload mode's decode step (one program, `_decode_offloaded`) over the
+        first `width` slots. -> (next tokens [B], logits [B, V])."""
+        nxt, logits, self.caches, self.cold = _decode_offloaded(
+            self.params, self.caches, self.cold, jnp.asarray(self.tokens),
+            jnp.asarray(self.lens), jnp.asarray(active), self._samp(), **self._static(),
+            width=width, new_cold=new_cold, shardings=self.shardings)
+        return nxt, logits
 
     def offload_counters(self) -> dict[str, int | float]:
         """Offload mode's counters summed over the layers: cold pages selected
@@ -917,11 +920,15 @@ class Engine:
         without offload."""
         if not self.offload:
             return {}
-        keys = ("selected", "hits", "misses", "fetched", "prefetched", "evictions",
-                "resident_pages", "sample_pages_copied", "host_to_device_bytes_copied")
-        per = [store.counters(self.cache_cfg) for store in self.cold]
-        out = {k: sum(p[k] for p in per) for k in keys}
-        out["hit_rate"] = out["hits"] / max(1, out["selected"])
+        self.cold, self.counted, self.copied = self.cold.take_counts(self.counted, self.copied)
+        out = dict(zip(scheduler.COUNTERS, (int(x) for x in self.counted)))
+        page = scheduler.page_bytes(self.cache_cfg)
+        out.update(resident_pages=int(jnp.sum(self.cold.sched.resident >= 0)),
+                   sample_pages_copied=int(self.copied[2]),
+                   host_to_device_bytes_copied=int(self.copied[0]) * page,
+                   host_to_device_bytes_moved=int(self.copied[1]) * page,
+                   hit_rate=int(self.counted[scheduler.COUNTERS.index("hits")])
+                   / max(1, int(self.counted[scheduler.COUNTERS.index("selected")])))
         return out
 
     def decode_widths(self) -> list[int]:
@@ -956,8 +963,8 @@ class Engine:
         """`release`, keeping the slot's hold (for the prefill about to fill it)."""
         if self.cache_cfg is not None:
             self.caches = _release(self.cache_cfg, self.caches, jnp.int32(slot))
-            for store in self.cold or ():  # its pages leave the working sets
-                store.forget(slot)
+            if self.offload:  # its pages leave the working sets
+                self.cold = self.cold.forget(slot)
             refs = self._refs.pop(slot, None)
             if refs:
                 with self.prefix.writer():
@@ -1001,8 +1008,8 @@ class Engine:
     def capacity_line(self) -> str:
         layers = self.model.cfg.num_layers
         if self.offload:
-            device = layout.nbytes(self.caches) + sum(c.device_bytes() for c in self.cold)
-            host = sum(layout.nbytes(c.host) for c in self.cold)
+            device = layout.nbytes(self.caches) + self.cold.device_bytes()
+            host = layout.nbytes(self.cold.host)
             return (f"{layout.summary_line(self.cache_cfg, device // layers, host // layers)} "
                     f"per layer, {layers} layers, cold pages offloaded to host memory "
                     f"(working set {self.working_set} pages per sequence and KV head)")
@@ -1038,17 +1045,13 @@ class Engine:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
                                   jnp.int32(1), self._shared(-1, t), self.offload).compile()
         if self.offload:
-            # Many small programs: compiled by running a step at each width while no
-            # slot holds a sequence (nothing is selected or copied; the scheduler's
-            # step count is put back). With sequences, a step would select and copy
-            # their pages: their programs compile at the first real step instead.
-            if not self.lens.any():
-                saved = [store.sched for store in self.cold]
-                for n in self.decode_widths():
-                    self._decode_offloaded(np.zeros(self.max_seqs, bool), False, n)
-                for store, sched in zip(self.cold, saved):
-                    store.sched = sched
-            self.cold[0].compile_copies(self.cache_cfg)  # one program per shape: all layers
+            for n in self.decode_widths():
+                for new_cold in (False, True):
+                    _decode_offloaded.lower(
+                        self.params, self.caches, self.cold, jnp.asarray(self.tokens),
+                        jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool), self._samp(),
+                        **self._static(), width=n, new_cold=new_cold,
+                        shardings=self.shardings).compile()
             return time.perf_counter() - t
         for n in self.decode_widths():
             _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),

@@ -226,7 +226,7 @@ def lineage(engine, model_path: pathlib.Path | None) -> dict:
         model_sha = h.hexdigest()
     cache = (engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg)
     if engine.offload:  # the same answers, but another set-up: say which
-        cache += ("offload", engine.working_set, engine.cold[0].sched.policy)
+        cache += ("offload", engine.working_set, engine.cold.sched.policy)
     cache = repr(cache)
     try:
         pkg = version("hisparse")
