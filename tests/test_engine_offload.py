@@ -7,14 +7,17 @@ a shared prefix, a slot released and filled again."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from models_fixtures import smollm2
 
 from hisparse_jax import capacity, scheduler
 from hisparse_jax import state as st
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, _decode_offloaded
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +148,21 @@ def test_a_narrow_offloaded_step_equals_the_full_one(model):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     got = narrow.offload_counters()
     assert got == full.offload_counters() and got["misses"] > 0
+
+
+def test_the_offloaded_step_lowers_for_an_h200_as_one_program(model):
+    """The step lowered for an H200 from this CPU (XLA's attention: no CPU
+    kernel): one program whose copies are host computations (`compute_on`) in
+    while loops inside the layer loop, and no host callback (nothing waits on
+    Python between layers)."""
+    from test_kernels import cross_lower
+
+    m, _ = model
+    eng = Engine(m, max_seqs=2, max_context=1024, budget_tokens=64, offload=True)
+    static = {**eng._static(), "implementation": "xla", "products": "xla"}
+    step = functools.partial(_decode_offloaded, **static, width=2, new_cold=True,
+                             shardings=eng.shardings)
+    txt = cross_lower(step, eng.params, eng.caches, eng.cold, jnp.asarray(eng.tokens),
+                      jnp.asarray(eng.lens), jnp.ones(2, bool), eng._samp())
+    assert txt.count('_xla_compute_type = "host"') >= 2 * len(st.OFFLOAD_FIELDS)
+    assert "stablehlo.while" in txt and "callback" not in txt
