@@ -248,12 +248,15 @@ _plan_copies = jax.jit(plan_copies, static_argnames=("cfg", "width", "implementa
 _attend_planned = jax.jit(attend_planned, static_argnames=("cfg", "implementation"))
 
 
-def _put(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots, pages):
+def _put(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots, pages, layer=None):
     """Copied pages into their slots: the prefetch's, then the selection's (a slot
     the plan refills after a prefetch ends with the later page), then the sample
-    buffer's. ws [Hkv, B*W, ...], sample_ws [Hkv, B*S, ...]; each slot array names
-    one slot per row of `pages` (out of range: not that buffer's row)."""
-    put = lambda buf, slots: {f: buf[f].at[heads, slots].set(pages[f], mode="drop")
+    buffer's. ws [Hkv, B*W, ...], sample_ws [Hkv, B*S, ...] (with `layer`: stacked
+    [L, Hkv, ...], written at that layer); each slot array names one slot per row
+    of `pages` (out of range: not that buffer's row)."""
+    where = (lambda slots: (heads, slots)) if layer is None else (
+        lambda slots: (layer, heads, slots))
+    put = lambda buf, slots: {f: buf[f].at[where(slots)].set(pages[f], mode="drop")
                               for f in buf}
     return put(put(ws, prefetch_slots), fetch_slots), put(sample_ws, sample_slots)
 
@@ -634,8 +637,8 @@ def _host_scatter_layers(pool, layers, pool_ids, pages):
 
 
 @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-def _host_gather_layer(pool, layers, heads, pool_ids):
-    return pool[layers, heads, pool_ids]
+def _host_gather_layer(pools, layers, heads, pool_ids):
+    return {f: pool[layers, heads, pool_ids] for f, pool in pools.items()}
 
 
 def store_pages(host, pools, pool_ids, pages):
@@ -654,8 +657,8 @@ _store_layers = jax.jit(store_pages, static_argnums=0, donate_argnums=1)
 def copy_pages(shardings, pools, layer, ws, sample_ws, copies, working_set, fresh=None):
     """`ColdStore.copy_in` inside a program, for layer `layer` (traced) of stacked
     host pools: the pages `copies` [n, Hkv, 2W + S] names (`Planned.copies`) go
-    from the host pool into the layer's working set `ws` and sample buffer
-    `sample_ws` ({field: [Hkv, slots, ...]}). The pages to copy are moved to the
+    from the host pool into the layer's working set and sample buffer, written in
+    place in the stacked `ws` and `sample_ws` ({field: [L, Hkv, slots, ...]}). The pages to copy are moved to the
     front (in row order, so a slot's later copy still wins) and copied COPY_CHUNK
     at a time, as many times as there are pages: no host sync, and only those
     pages (and the last chunk's padding) cross. fresh (pool ids [B], codes {field:
@@ -684,14 +687,14 @@ def copy_pages(shardings, pools, layer, ws, sample_ws, copies, working_set, fres
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, i, COPY_CHUNK)
         heads, ids = take(head), take(pool_id)
         where = [on_host(x) for x in (jnp.full_like(heads, layer), heads, ids)]
-        pages = {f: jax.device_put(_host_gather_layer(pools[f], *where), device) for f in ws}
+        pages = jax.device_put(_host_gather_layer(pools, *where), device)
         if fresh is not None:
             fresh_ids, codes = fresh
             match = ids[:, None] == fresh_ids[None, :]
             hit, src = jnp.any(match, axis=1), jnp.argmax(match, axis=1)
             pages = {f: jnp.where(hit.reshape((-1,) + (1,) * (x.ndim - 1)),
                                   codes[f][src, heads], x) for f, x in pages.items()}
-        ws, sample_ws = _put(ws, sample_ws, heads, *(take(x) for x in slots), pages)
+        ws, sample_ws = _put(ws, sample_ws, heads, *(take(x) for x in slots), pages, layer)
         return i + COPY_CHUNK, ws, sample_ws
 
     _, ws, sample_ws = jax.lax.while_loop(lambda c: c[0] < count, body,

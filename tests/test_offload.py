@@ -219,7 +219,8 @@ def test_copy_pages_inside_a_program_puts_each_page_in_its_slot(fresh):
     dev = jax.devices()[0]
     sh = offload.shardings(dev)
     pools = {f: jax.device_put(x, sh[0]) for f, x in host_np.items()}
-    zeros = lambda want: {f: jnp.zeros_like(x) for f, x in want.items()}
+    # stacked working sets of two layers: layer 1 is written, layer 0 must stay zero
+    zeros = lambda want: {f: jnp.zeros((2, *x.shape), x.dtype) for f, x in want.items()}
 
     @jax.jit
     def run(pools, ws, sample_ws, copies):
@@ -229,8 +230,9 @@ def test_copy_pages_inside_a_program_puts_each_page_in_its_slot(fresh):
 
     ws, sample_ws, counts = run(pools, zeros(want_ws), zeros(want_sample), copies)
     for f in fields:
-        np.testing.assert_array_equal(np.asarray(ws[f]), want_ws[f])
-        np.testing.assert_array_equal(np.asarray(sample_ws[f]), want_sample[f])
+        np.testing.assert_array_equal(np.asarray(ws[f][1]), want_ws[f])
+        np.testing.assert_array_equal(np.asarray(sample_ws[f][1]), want_sample[f])
+        assert not np.asarray(ws[f][0]).any() and not np.asarray(sample_ws[f][0]).any()
     n = int(np.sum(copies >= 0))
     sampled = int(np.sum(copies[..., 2 * w:] >= 0))
     assert np.asarray(counts).tolist() == [n, -(-n // offload.COPY_CHUNK) * offload.COPY_CHUNK,

@@ -346,16 +346,16 @@ def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graph
         sched_l, held_l, planned = plan_copies(hcfg, view, q, at(sched, layer), held[layer],
                                                below, width=width,
                                                implementation=implementation)
-        ws_l, sample_l, counts = off.copy_pages(shardings, cold.host, layer, at(ws, layer),
-                                                at(sample_ws, layer), planned.copies, w,
-                                                (pool_ids, codes) if new_cold else None)
-        out, candidates, _, last = attend_planned(hcfg, view, q, ws_l, sample_l, sched_l,
-                                                  held_l, planned,
-                                                  implementation=implementation)
+        ws, sample_ws, counts = off.copy_pages(shardings, cold.host, layer, ws, sample_ws,
+                                               planned.copies, w,
+                                               (pool_ids, codes) if new_cold else None)
+        out, candidates, _, last = attend_planned(hcfg, view, q, at(ws, layer),
+                                                  at(sample_ws, layer), sched_l, held_l,
+                                                  planned, implementation=implementation)
         caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last))
         x = model.blocks.finish(x, out, layer, products)
-        parts = (put(ws, layer, ws_l), put(sample_ws, layer, sample_l),
-                 held.at[layer].set(held_l), put(sched, layer, sched_l), copied + counts)
+        parts = (ws, sample_ws, held.at[layer].set(held_l), put(sched, layer, sched_l),
+                 copied + counts)
         return x, caches, parts, candidates, (pool_ids, codes)
 
     parts = (cold.ws, cold.sample_ws, cold.sample_held, cold.sched, cold.copied)
