@@ -71,11 +71,6 @@ def _host_scatter(pool, pool_ids, pages):
     return pool.at[:, pool_ids].set(jnp.swapaxes(pages, 0, 1), mode="drop")
 
 
-@compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-def _host_gather(pool, heads, pool_ids):
-    return pool[heads, pool_ids]
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _store_pages(host, pools, pool_ids, pages):
     """Scatter new cold pages into the host pool (pool_ids >= pool size dropped).
@@ -84,14 +79,6 @@ def _store_pages(host, pools, pool_ids, pages):
     pool_ids = jax.device_put(pool_ids, host)
     return {f: _host_scatter(pools[f], pool_ids, jax.device_put(pages[f], host))
             for f in pools}
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _fetch_pages(host, device, pools, heads, pool_ids):
-    """Gather pages (heads[i], pool_ids[i]) of every field on the host, then copy
-    them alone to the device."""
-    heads, pool_ids = jax.device_put(heads, host), jax.device_put(pool_ids, host)
-    return {f: jax.device_put(_host_gather(pools[f], heads, pool_ids), device) for f in pools}
 
 
 @jax.jit
@@ -261,16 +248,13 @@ def _put(ws, sample_ws, heads, prefetch_slots, fetch_slots, sample_slots, pages,
     return put(put(ws, prefetch_slots), fetch_slots), put(sample_ws, sample_slots)
 
 
-_put_copies = jax.jit(_put, donate_argnums=(0, 1))
-
-
-MIN_COPY_ROWS = 64  # a page is ~1 KiB: padding a copy to 64 rows costs little
-
-
-def _bucket(n: int) -> int:
-    """A copy's rows, padded to a power of two (at least MIN_COPY_ROWS): a few
-    program shapes, not one per count."""
-    return max(MIN_COPY_ROWS, 1 << max(0, n - 1).bit_length())
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2, 3, 4))
+def _copy_in(shardings, pools, ws, sample_ws, copied, copies, working_set):
+    """`copy_pages` for one layer's pool (`ColdStore.copy_in`), its counts added
+    to `copied`."""
+    ws, sample_ws, counts = copy_pages(shardings, pools, None, ws, sample_ws, copies,
+                                       working_set)
+    return ws, sample_ws, copied + counts
 
 
 class ColdStore:
@@ -279,10 +263,10 @@ class ColdStore:
     scheduler that fills it, and the sample buffer. `attend` selects from the
     digests, copies exactly the pages the plan fetches and attends.
 
-    `OffloadedCache` is one of these behind a `HiSparseCache`; the serving engine
-    keeps one per layer of its layer-stacked state (`models.engine`). The caller
-    owns the device state (passed in, returned updated) and writes new cold pages
-    here (`store`).
+    `OffloadedCache` is one of these behind a `HiSparseCache` (the serving
+    engine's layer-stacked state has `LayerColdStores`). The caller owns the
+    device state (passed in, returned updated) and writes new cold pages here
+    (`store`).
     """
 
     def __init__(self, cfg: HiSparseConfig, host: dict, device, working_set: int,
@@ -304,30 +288,21 @@ class ColdStore:
                                        + self.host[f].shape[2:], self.host[f].dtype)
                           for f in HOST_FIELDS}
         self.sample_held = jnp.full((b, cfg.num_kv_heads, cfg.sample_pages), -1, jnp.int32)
-        self.sample_pages_copied = 0
         # The last step's candidate pages [B, Hkv, C] (logical, -1 = none): what the
         # layer above should `prefetch`. None before the first `attend`.
         self.candidates = None
         self.sched = scheduler.init_state(b, cfg.num_kv_heads, w, policy or scheduler.Policy())
         # Committed to the device, as every later value of them is: one program
         # per shape (jit compiles again for an uncommitted argument).
-        self.ws, self.sample_ws, self.sample_held, self.sched = jax.device_put(
-            (self.ws, self.sample_ws, self.sample_held, self.sched), self._device)
-        self.host_to_device_bytes = 0  # the pages copied
-        self.host_to_device_bytes_padded = 0  # with `_fetch`'s padding rows: what crossed
-        # The scheduler's counters are int32 on the device: `counters` moves them
-        # here (int64) and zeroes them, so a long-running server never sees them wrap.
+        # [pages copied, rows moved, sampled pages copied] (`copy_pages`), int32
+        self.copied = jnp.zeros(3, jnp.int32)
+        self.ws, self.sample_ws, self.sample_held, self.sched, self.copied = jax.device_put(
+            (self.ws, self.sample_ws, self.sample_held, self.sched, self.copied), self._device)
+        # The int32 device counters (the scheduler's, `copied`) are moved here
+        # (int64) and zeroed when read, so a long-running server never sees them wrap.
         self.counted = np.zeros(len(scheduler.COUNTERS), np.int64)
-
-    @classmethod
-    def empty(cls, cfg: HiSparseConfig, device, working_set: int,
-              policy: scheduler.Policy | None = None) -> ColdStore:
-        """An empty pool made in host memory (never on the device)."""
-        shapes = jax.eval_shape(lambda: st.init_state(cfg))
-        host = SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
-        return cls(cfg, {f: jax.device_put(np.zeros(getattr(shapes, f).shape,
-                                                    getattr(shapes, f).dtype), host)
-                         for f in HOST_FIELDS}, device, working_set, policy)
+        self.copied_total = np.zeros(3, np.int64)
+        self.page_bytes = sum(x.nbytes // (x.shape[0] * x.shape[1]) for x in self.host.values())
 
     def store(self, pool_ids, cold):
         """New cold pages: pool_ids [n] (>= pool size: none), cold {field: [n, Hkv,
@@ -359,9 +334,9 @@ class ColdStore:
         0..width-1 (`state.decode_width`; the others' rows of out are 0, their
         candidates and kept -1, and their working sets stay as they were). The
         working set and sample buffer keep their full size: the first slots'
-        pages sit at the same offsets in them. Three steps, as the serving engine
-        runs them inside its own layer programs: plan (`plan_copies`), copy
-        (`copy_in`, the one host sync), attend (`attend_planned`)."""
+        pages sit at the same offsets in them. Three programs, the three parts
+        the serving engine runs inside its layer loop: plan (`plan_copies`), copy
+        (`copy_in`), attend (`attend_planned`); none waits on the host."""
         self.sched, self.sample_held, planned = _plan_copies(
             cfg, state, q, self.sched, self.sample_held, width=width,
             implementation=implementation)
@@ -385,47 +360,22 @@ class ColdStore:
         """Host -> device: the pages `copies` [n, Hkv, 2W + S] names (pool pages, -1 =
         none; `Planned.copies`, the first n slots' rows), each into its slot: the
         first W into the working set (prefetch), the next W too (the selection's
-        misses, after the prefetch), the last S into the sample buffer. One gather
-        on the host, one copy to the device, padded to a power of two rows (a few
-        program shapes, not one per count; padding: pool page 0, put nowhere)."""
-        copies = np.asarray(copies)  # the step's one host sync
-        w, big = self.working_set, np.iinfo(np.int32).max
-        b, h, j = np.nonzero(copies >= 0)
-        if not b.size:
-            return
-        n = _bucket(b.size)
-        heads, pool = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        slots = [np.full(n, big, np.int32) for _ in range(3)]
-        heads[:b.size], pool[:b.size] = h, copies[b, h, j]
-        part = np.where(j < w, 0, np.where(j < 2 * w, 1, 2))
-        s = copies.shape[-1] - 2 * w
-        slot = np.where(part < 2, b * w + j % w, b * s + j - 2 * w)
-        for k in range(3):
-            slots[k][:b.size] = np.where(part == k, slot, big)
-        pages = _fetch_pages(self._host, self._device, self.host, heads, pool)
-        # numpy in: the jitted call transfers it (an eager jnp.asarray each is ~80 us)
-        self.ws, self.sample_ws = _put_copies(self.ws, self.sample_ws, heads, *slots, pages)
-        nbytes = [int(x.nbytes) for x in pages.values()]
-        self.host_to_device_bytes += sum(x * b.size // n for x in nbytes)
-        self.host_to_device_bytes_padded += sum(nbytes)
-        self.sample_pages_copied += int(np.sum(part == 2))
+        misses, after the prefetch), the last S into the sample buffer
+        (`copy_pages`: on the device, no host sync)."""
+        self.ws, self.sample_ws, self.copied = _copy_in(
+            (self._host, self._device), self.host, self.ws, self.sample_ws, self.copied,
+            copies, self.working_set)
 
-    def compile_copies(self, cfg: HiSparseConfig):
-        """Compile the copy programs for every row count a step may ask for (else
-        the first steps compile them, seconds each on a CPU)."""
-        b, h = cfg.max_seqs, cfg.num_kv_heads
-        most = b * h * (2 * self.working_set + cfg.sample_pages)
-        n = _bucket(1)
-        while True:
-            idx = np.zeros(n, np.int32)
-            _fetch_pages.lower(self._host, self._device, self.host, idx, idx).compile()
-            pages = jax.eval_shape(_fetch_pages, self._host, self._device, self.host, idx, idx)
-            pages = {f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._device)
-                     for f, x in pages.items()}
-            _put_copies.lower(self.ws, self.sample_ws, idx, idx, idx, idx, pages).compile()
-            if n >= most:
-                return
-            n *= 2
+    def _copies(self) -> np.ndarray:
+        """[pages copied, rows moved, sampled pages copied] so far (int64)."""
+        now = np.asarray(self.copied)
+        if now.any():
+            self.copied_total = self.copied_total + now
+            self.copied = jax.device_put(np.zeros(3, np.int32), self._device)
+        return self.copied_total
+
+    host_to_device_bytes = property(lambda self: int(self._copies()[0]) * self.page_bytes)
+    sample_pages_copied = property(lambda self: int(self._copies()[2]))
 
     def counters(self, cfg: HiSparseConfig) -> dict:
         """The scheduler's counters (selected, hits, misses, fetched, prefetched,
@@ -438,9 +388,10 @@ class ColdStore:
                 np.zeros(now.shape, np.int32), self._device))
         out = dict(scheduler.counters(self.sched, cfg, since=self.counted))
         out["resident_pages"] = int(jnp.sum(self.sched.resident >= 0))
-        out["sample_pages_copied"] = self.sample_pages_copied
-        out["host_to_device_bytes_copied"] = self.host_to_device_bytes
-        out["host_to_device_bytes_padded"] = self.host_to_device_bytes_padded
+        copied = self._copies()
+        out["sample_pages_copied"] = int(copied[2])
+        out["host_to_device_bytes_copied"] = int(copied[0]) * self.page_bytes
+        out["host_to_device_bytes_moved"] = int(copied[1]) * self.page_bytes  # with padding
         return out
 
 
@@ -637,8 +588,8 @@ def _host_scatter_layers(pool, layers, pool_ids, pages):
 
 
 @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-def _host_gather_layer(pools, layers, heads, pool_ids):
-    return {f: pool[layers, heads, pool_ids] for f, pool in pools.items()}
+def _host_gather(pools, *index):
+    return {f: pool[index] for f, pool in pools.items()}
 
 
 def store_pages(host, pools, pool_ids, pages):
@@ -655,10 +606,11 @@ _store_layers = jax.jit(store_pages, static_argnums=0, donate_argnums=1)
 
 
 def copy_pages(shardings, pools, layer, ws, sample_ws, copies, working_set, fresh=None):
-    """`ColdStore.copy_in` inside a program, for layer `layer` (traced) of stacked
-    host pools: the pages `copies` [n, Hkv, 2W + S] names (`Planned.copies`) go
-    from the host pool into the layer's working set and sample buffer, written in
-    place in the stacked `ws` and `sample_ws` ({field: [L, Hkv, slots, ...]}). The pages to copy are moved to the
+    """The pages `copies` [n, Hkv, 2W + S] names (`Planned.copies`) from the host
+    pools into their slots of the working set and sample buffer, on the device,
+    for layer `layer` (traced) of stacked pools, written in place in the stacked
+    `ws` and `sample_ws` ({field: [L, Hkv, slots, ...]}); layer None: one
+    layer's pools and buffers ([Hkv, ...], `ColdStore.copy_in`). The pages to copy are moved to the
     front (in row order, so a slot's later copy still wins) and copied COPY_CHUNK
     at a time, as many times as there are pages: no host sync, and only those
     pages (and the last chunk's padding) cross. fresh (pool ids [B], codes {field:
@@ -686,8 +638,8 @@ def copy_pages(shardings, pools, layer, ws, sample_ws, copies, working_set, fres
         i, ws, sample_ws = carry
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, i, COPY_CHUNK)
         heads, ids = take(head), take(pool_id)
-        where = [on_host(x) for x in (jnp.full_like(heads, layer), heads, ids)]
-        pages = jax.device_put(_host_gather_layer(pools, *where), device)
+        where = (heads, ids) if layer is None else (jnp.full_like(heads, layer), heads, ids)
+        pages = jax.device_put(_host_gather(pools, *map(on_host, where)), device)
         if fresh is not None:
             fresh_ids, codes = fresh
             match = ids[:, None] == fresh_ids[None, :]
