@@ -160,8 +160,7 @@ def test_the_offloaded_step_lowers_for_an_h200_as_one_program(model):
     m, _ = model
     eng = Engine(m, max_seqs=2, max_context=1024, budget_tokens=64, offload=True)
     static = {**eng._static(), "implementation": "xla", "products": "xla"}
-    step = functools.partial(_decode_offloaded, **static, width=2, new_cold=True,
-                             shardings=eng.shardings)
+    step = functools.partial(_decode_offloaded, **static, width=2, shardings=eng.shardings)
     txt = cross_lower(step, eng.params, eng.caches, eng.cold, jnp.asarray(eng.tokens),
                       jnp.asarray(eng.lens), jnp.ones(2, bool), eng._samp())
     assert txt.count('_xla_compute_type = "host"') >= 2 * len(st.OFFLOAD_FIELDS)

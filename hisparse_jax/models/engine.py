@@ -320,17 +320,18 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
-                                             "width", "new_cold", "shardings"),
+                                             "width", "shardings"),
                    donate_argnames=("caches", "cold"))
 def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graphdef, hcfg,
-                      implementation, products, width, new_cold, shardings):
+                      implementation, products, width, shardings):
     """Offload mode's decode step, one program: `_decode`'s, with each layer's cold
     pages read from its working set after the layer copied in what its selection
     needs (`offload.plan_copies`, `copy_pages`, `attend_planned`). cold:
-    `offload.LayerColdStores`. The first `width` slots are selected and attended;
-    new_cold: some slot's page becomes cold (its codes go to the host pools after
-    the layers; a layer that selects it in this step takes it from the device).
-    -> (next tokens [B], logits [B, V], caches, cold)."""
+    `offload.LayerColdStores`. The first `width` slots are selected and attended.
+    The pages that become cold in the step go to the host pools after the layers
+    (a layer that selects one in this step takes it from the device); one program
+    whether or not there are any (a second per width doubled the engine's warm-up,
+    48 to 95 s at 8 slots). -> (next tokens [B], logits [B, V], caches, cold)."""
     model = nnx.merge(graphdef, params)
     rope = model.rope()
     w = cold.working_set
@@ -347,8 +348,7 @@ def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graph
                                                below, width=width,
                                                implementation=implementation)
         ws, sample_ws, counts = off.copy_pages(shardings, cold.host, layer, ws, sample_ws,
-                                               planned.copies, w,
-                                               (pool_ids, codes) if new_cold else None)
+                                               planned.copies, w, (pool_ids, codes))
         out, candidates, _, last = attend_planned(hcfg, view, q, at(ws, layer),
                                                   at(sample_ws, layer), sched_l, held_l,
                                                   planned, implementation=implementation)
@@ -366,14 +366,12 @@ def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graph
     def body(carry, layer):
         x, caches, parts, below = carry
         x, caches, parts, below, new = layer_step(x, caches, parts, layer, below)
-        return (x, caches, parts, below), (new if new_cold else None)
+        return (x, caches, parts, below), new
 
     layers = jnp.arange(1, model.cfg.num_layers, dtype=jnp.int32)
     (x, caches, parts, _), new = jax.lax.scan(body, (x, caches, parts, below), layers)
-    host = cold.host
-    if new_cold:
-        pool_ids, codes = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), new0, new)
-        host = off.store_pages(shardings[0], host, pool_ids, codes)
+    pool_ids, codes = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), new0, new)
+    host = off.store_pages(shardings[0], cold.host, pool_ids, codes)
     logits = model.logits(x, products=products)
     return (sample_slots(logits, lens + 1, samp), logits, caches,
             off.LayerColdStores(host, *parts))
@@ -892,7 +890,7 @@ class Engine:
         if counted.any():
             self._count(np.arange(self.max_seqs), self.tokens, counted)
         if self.offload:
-            nxt, self.logits = self._decode_offloaded(active, need > 0, self.decode_width(active))
+            nxt, self.logits = self._decode_offloaded(active, self.decode_width(active))
         else:
             nxt, self.logits, self.caches = _decode(
                 self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
@@ -904,13 +902,13 @@ class Engine:
         self.num_free -= need
         return self.tokens.copy()
 
-    def _decode_offloaded(self, active: np.ndarray, new_cold: bool, width: int):
+    def _decode_offloaded(self, active: np.ndarray, width: int):
         """Offload mode's decode step (one program, `_decode_offloaded`) over the
         first `width` slots. -> (next tokens [B], logits [B, V])."""
         nxt, logits, self.caches, self.cold = _decode_offloaded(
             self.params, self.caches, self.cold, jnp.asarray(self.tokens),
             jnp.asarray(self.lens), jnp.asarray(active), self._samp(), **self._static(),
-            width=width, new_cold=new_cold, shardings=self.shardings)
+            width=width, shardings=self.shardings)
         return nxt, logits
 
     def offload_counters(self) -> dict[str, int | float]:
@@ -1046,12 +1044,10 @@ class Engine:
                                   jnp.int32(1), self._shared(-1, t), self.offload).compile()
         if self.offload:
             for n in self.decode_widths():
-                for new_cold in (False, True):
-                    _decode_offloaded.lower(
-                        self.params, self.caches, self.cold, jnp.asarray(self.tokens),
-                        jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool), self._samp(),
-                        **self._static(), width=n, new_cold=new_cold,
-                        shardings=self.shardings).compile()
+                _decode_offloaded.lower(
+                    self.params, self.caches, self.cold, jnp.asarray(self.tokens),
+                    jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool), self._samp(),
+                    **self._static(), width=n, shardings=self.shardings).compile()
             return time.perf_counter() - t
         for n in self.decode_widths():
             _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
