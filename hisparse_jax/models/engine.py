@@ -330,8 +330,8 @@ def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graph
     `offload.LayerColdStores`. The first `width` slots are selected and attended.
     The pages that become cold in the step go to the host pools after the layers
     (a layer that selects one in this step takes it from the device); one program
-    whether or not there are any (a second per width doubled the engine's warm-up,
-    48 to 95 s at 8 slots). -> (next tokens [B], logits [B, V], caches, cold)."""
+    whether or not there are any (a second per width doubled the engine's
+    warm-up). -> (next tokens [B], logits [B, V], caches, cold)."""
     model = nnx.merge(graphdef, params)
     rope = model.rope()
     w = cold.working_set
