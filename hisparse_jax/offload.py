@@ -302,7 +302,7 @@ class ColdStore:
         # (int64) and zeroed when read, so a long-running server never sees them wrap.
         self.counted = np.zeros(len(scheduler.COUNTERS), np.int64)
         self.copied_total = np.zeros(3, np.int64)
-        self.page_bytes = sum(x.nbytes // (x.shape[0] * x.shape[1]) for x in self.host.values())
+        self.page_bytes = scheduler.page_bytes(cfg)
 
     def store(self, pool_ids, cold):
         """New cold pages: pool_ids [n] (>= pool size: none), cold {field: [n, Hkv,

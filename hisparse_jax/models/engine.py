@@ -919,14 +919,12 @@ class Engine:
         if not self.offload:
             return {}
         self.cold, self.counted, self.copied = self.cold.take_counts(self.counted, self.copied)
-        out = dict(zip(scheduler.COUNTERS, (int(x) for x in self.counted)))
+        out = scheduler.counters(self.cold.sched.replace(counters=self.counted))
         page = scheduler.page_bytes(self.cache_cfg)
         out.update(resident_pages=int(jnp.sum(self.cold.sched.resident >= 0)),
                    sample_pages_copied=int(self.copied[2]),
                    host_to_device_bytes_copied=int(self.copied[0]) * page,
-                   host_to_device_bytes_moved=int(self.copied[1]) * page,
-                   hit_rate=int(self.counted[scheduler.COUNTERS.index("hits")])
-                   / max(1, int(self.counted[scheduler.COUNTERS.index("selected")])))
+                   host_to_device_bytes_moved=int(self.copied[1]) * page)
         return out
 
     def decode_widths(self) -> list[int]:
