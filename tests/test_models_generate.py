@@ -16,7 +16,7 @@ from models_fixtures import smollm2
 from hisparse_jax.cli import main
 from hisparse_jax.models import registry
 from hisparse_jax.models.engine import Engine
-from hisparse_jax.models.generate import generate
+from hisparse_jax.models.generate import TextStream, generate, prompt_ids
 from hisparse_jax.models.prompts import passkey
 from hisparse_jax.models.sampling import SamplingParams
 from tests.helpers import cli_error
@@ -61,6 +61,55 @@ def test_max_tokens_stop_strings_and_ignore_eos(model, hisparse):
     gen = generate(m, tok, FRANCE, chat=True, max_tokens=24, ignore_eos=True,
                    engine=hisparse).run()
     assert len(gen.ids) == 24 and 2 in gen.ids  # ran past <|im_end|>
+
+
+@pytest.mark.parametrize("text, stops, want, finish", [
+    ("Paris.\n", ("\n\n",), "Paris.\n", "eos"),  # held back for a stop, then EOS: emitted
+    ("Paris.\n\nMore", ("\n\n",), "Paris.", "stop"),
+    ("Paris.\n", (), "Paris.\n", "eos"),
+    ("The end: ar", ("aris",), "The end: ar", "eos"),
+    ("The end: ar", ("aris", "d: a"), "The en", "stop"),
+])
+def test_text_stream_emits_held_back_text_at_eos(model, text, stops, want, finish):
+    """Text held back because it might begin a stop string is the answer's end when
+    EOS comes instead (it was lost before), and nothing past a stop string is."""
+    tok = model[1]
+    stream = TextStream(tok, stops, eos=(2,))
+    out, done = "", None
+    for t in tok.encode(text) + [2]:
+        piece, done = stream.push(t)
+        out += piece
+        if done:
+            break
+    assert (out, done) == (want, finish)
+
+
+@pytest.mark.parametrize("prompt, error", [
+    ([0.5, 3.9], "integer token ids"),
+    (["12", 3], "integer token ids"),
+    (np.array([1.7, 2.2]), "integer token ids"),
+    ([3, -1], ">= 0"),
+    ([[1, 2]], "1-D"),
+])
+def test_prompt_ids_refuse_what_is_no_token_id(prompt, error):
+    with pytest.raises(ValueError, match=error):
+        prompt_ids(None, prompt)
+
+
+def test_prompt_ids_take_integer_ids():
+    assert prompt_ids(None, np.array([1, 2], np.int32)) == [1, 2] == prompt_ids(None, (1, 2))
+
+
+def test_stop_is_one_string_or_a_list_of_non_empty_ones(model, hisparse):
+    m, tok = model
+    one = generate(m, tok, FRANCE, chat=True, max_tokens=24, ignore_eos=True, stop="\n\n",
+                   engine=hisparse).run()
+    listed = generate(m, tok, FRANCE, chat=True, max_tokens=24, ignore_eos=True,
+                      stop=["\n\n"], engine=hisparse).run()
+    assert one.text == listed.text and one.summary.finish == listed.summary.finish
+    for bad in ([""], ["ok", ""], [3]):
+        with pytest.raises(ValueError, match="stop strings must be non-empty strings"):
+            generate(m, tok, FRANCE, stop=bad, engine=hisparse)
 
 
 def test_sampling_is_seeded(model, hisparse):

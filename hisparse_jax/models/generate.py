@@ -19,7 +19,7 @@ from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
 from hisparse_jax.models.tokenizer import Tokenizer
-from hisparse_jax.validate import is_int
+from hisparse_jax.validate import check_token_ids, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +123,8 @@ class TextStream:
 
     def push(self, token: int) -> tuple[str, str | None]:
         """-> (text to emit now, "eos" / "stop" when the request ends here, else None)."""
-        if token in self.eos:
-            return "", "eos"
+        if token in self.eos:  # what was held back for a stop string is text after all
+            return self.flush(), "eos"
         if self.stream is not None:
             self.pending += self.stream.push(token)
         pending, stops = self.pending, self.stops
@@ -156,7 +156,7 @@ def prompt_ids(tokenizer: Tokenizer | None, prompt, chat: bool = False) -> list[
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give the prompt as token ids")
         return tokenizer.chat_ids(prompt)
-    return [int(i) for i in prompt]
+    return check_token_ids("prompt", prompt).tolist()  # 0.5 or "12" is no token id
 
 
 def _held(text: str, stops: Sequence[str]) -> int:
@@ -172,7 +172,7 @@ def stop_ids(model: Llama, tokenizer: Tokenizer | None) -> tuple[int, ...]:
 
 def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             stop: Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
+             stop: str | Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              logit_bias: dict[int, float] | None = None,
              attention: str = "hisparse", budget_tokens: int = 2048,
@@ -188,6 +188,9 @@ def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: i
                               presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, logit_bias=logit_bias or ())
     ids = prompt_ids(tokenizer, prompt, chat)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)  # "\n\n" is one stop string
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop={stop!r}: stop strings must be non-empty strings")
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     if engine is None:
@@ -202,7 +205,7 @@ def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: i
     elif len(ids) >= engine.max_context:  # checked now, not when iterated
         raise ValueError(f"prompt of {len(ids)} tokens does not fit max_context="
                          f"{engine.max_context} (it needs room for one generated token)")
-    return Generation(engine, tokenizer, ids, max_tokens, sampling, tuple(stop),
+    return Generation(engine, tokenizer, ids, max_tokens, sampling, stop,
                       () if ignore_eos else stop_ids(model, tokenizer))
 
 
