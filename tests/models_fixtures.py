@@ -92,11 +92,14 @@ def tiny_vocab(size: int = 300):
 
 
 def write_gguf(path, cfg: LlamaConfig, hf: dict | None, qtype: str = "F32", *,
-               arch: str = "llama", raw_matrices: dict | None = None, tokenizer: bool = True):
+               arch: str = "llama", raw_matrices: dict | None = None, tokenizer: bool = True,
+               pre: str | None = "smollm", tokenizer_model: str = "gpt2",
+               extra: dict | None = None):
     """A GGUF as llama.cpp's converter writes one: llama.* metadata, Q/K rows
     permuted (llama arch), matrices (and the embedding) as `qtype`, norms F32.
     raw_matrices: {gguf tensor name: (uint8 blocks, shape)} written as is (K-quants,
-    which gguf-py cannot quantize)."""
+    which gguf-py cannot quantize). pre: tokenizer.ggml.pre (None: left out);
+    extra: {tensor name: array} added as F32."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -113,8 +116,9 @@ def write_gguf(path, cfg: LlamaConfig, hf: dict | None, qtype: str = "F32", *,
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer:
         tokens, types, merges = tiny_vocab(cfg.vocab_size)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
+        w.add_tokenizer_model(tokenizer_model)
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)
@@ -155,10 +159,51 @@ def write_gguf(path, cfg: LlamaConfig, hf: dict | None, qtype: str = "F32", *,
     else:
         for name, (blocks, _) in raw_matrices.items():
             w.add_tensor(name, blocks, raw_dtype=qt)
+    for name, x in (extra or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(x, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def write_hf(path, cfg: LlamaConfig, hf: dict, *, config: dict | None = None,
+             extra: dict | None = None, dtype=np.float32):
+    """An HF checkpoint folder (config.json + model.safetensors) of HF-layout
+    weights `hf` as `dtype`; config: keys added to (None: removed from) config.json;
+    extra: {tensor name: array} added as is."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    from hisparse_jax.models.hf_loader import HF_LAYER_NAMES, HF_NAMES
+    os.makedirs(path, exist_ok=True)
+    c = {"model_type": "qwen2" if cfg.qkv_bias else "llama", "vocab_size": cfg.vocab_size,
+         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+         "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+         "max_position_embeddings": cfg.max_position,
+         "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id,
+         "eos_token_id": cfg.eos_id, "hidden_act": "silu"}
+    for k, v in (config or {}).items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f)
+    t = {HF_NAMES["embed"]: hf["embed"], HF_NAMES["norm"]: hf["norm"]}
+    if "lm_head" in hf:
+        t[HF_NAMES["lm_head"]] = hf["lm_head"]
+    for i, layer in enumerate(hf["layers"]):
+        for name, x in layer.items():
+            t[f"model.layers.{i}.{HF_LAYER_NAMES[name]}"] = x
+    t = {k: np.ascontiguousarray(v).astype(dtype) for k, v in t.items()}
+    t.update(extra or {})
+    save_file(t, os.path.join(path, "model.safetensors"))
     return path
 
 

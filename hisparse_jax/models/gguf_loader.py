@@ -56,6 +56,7 @@ class _File:
     def __init__(self, path: str):
         import gguf
         self.path = path
+        self.used = set()  # tensors read: any other is a weight the model lacks
         try:
             with open(path, "rb") as fh:
                 magic = fh.read(4)
@@ -93,6 +94,7 @@ class _File:
             if required:
                 raise ValueError(f"{self.path}: GGUF lacks tensor {name}")
             return None
+        self.used.add(name)
         kind = t.tensor_type.name
         if kind not in TENSOR_TYPES:
             raise ValueError(f"{self.path}: tensor {name} has unsupported type {kind} "
@@ -181,7 +183,16 @@ def load_gguf(path: str, *, tokenizer: bool = True):
                "norm": f.tensor("output_norm.weight").astype(bf16), "layers": layers}
     if not cfg.tie_embeddings:
         weights["lm_head"] = f.tensor("output.weight").T.astype(bf16)
-    tok = Tokenizer.from_gguf_fields(f.get) if tokenizer else None
+    unused = [name for name in f.tensors if name not in f.used]
+    if unused:  # e.g. attn_q.bias on a llama file: loading without it gives wrong logits
+        raise ValueError(f"{path}: tensor {unused[0]} is not a weight this loader supports "
+                         f"for architecture {f.get('general.architecture')!r} ({len(unused)} "
+                         "unused in all)")
+    # No tokenizer in the file: the model loads without one, as an HF folder
+    # without tokenizer.json does (prompts are then token ids).
+    tok = None
+    if tokenizer and f.get("tokenizer.ggml.model", None) not in (None, "none", "no_vocab"):
+        tok = Tokenizer.from_gguf_fields(f.get, where=path)
     if tok is not None and tok.vocab_size != cfg.vocab_size:
         raise ValueError(f"{path}: tokenizer has {tok.vocab_size} tokens, the embedding "
                          f"{cfg.vocab_size} rows")

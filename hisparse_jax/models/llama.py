@@ -334,8 +334,9 @@ class Llama(nnx.Module):
 
 
 def check_weights(cfg: LlamaConfig, weights: dict[str, Any]):
-    """Every tensor of `weight_shapes(cfg)` present with its shape (ValueError names
-    the first that is not)."""
+    """Every tensor of `weight_shapes(cfg)` present with its shape and a float
+    dtype (ValueError names the first that is not: an int or bool tensor would
+    be cast to bf16 without a word)."""
     want = weight_shapes(cfg)
     for name, shape in want.items():
         if name == "layers":
@@ -344,10 +345,14 @@ def check_weights(cfg: LlamaConfig, weights: dict[str, Any]):
                 if got is None or tuple(got.shape) != s:
                     raise ValueError(f"layer weight {k}: expected {s}, got "
                                      f"{None if got is None else tuple(got.shape)}")
+                if not jnp.issubdtype(got.dtype, jnp.floating):
+                    raise ValueError(f"layer weight {k}: dtype {got.dtype}, expected a float")
         elif name not in weights or tuple(weights[name].shape) != shape:
             got = weights.get(name)
             raise ValueError(f"weight {name}: expected {shape}, got "
                              f"{None if got is None else tuple(got.shape)}")
+        elif not jnp.issubdtype(weights[name].dtype, jnp.floating):
+            raise ValueError(f"weight {name}: dtype {weights[name].dtype}, expected a float")
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, Any]:

@@ -5,9 +5,11 @@ From a GGUF (`from_gguf_fields`): the byte-level BPE is rebuilt from the file's
 vocabulary and merges. With pre-tokenizer `Sequence([Digits(individual_digits),
 ByteLevel(regex)])` (the GGUF's `pre = smollm`) and the control tokens (type 3)
 as special tokens, this gives exactly llama.cpp's ids (checked against it in
-tests/test_models_llamacpp.py). From an HF folder: tokenizer.json and
-tokenizer_config.json.
-"""
+tests/test_models_llamacpp.py). `pre = qwen2` and the llama3 names split with
+llama.cpp's regex for them, as Qwen2's and Llama 3's tokenizer.json do; the
+split is checked against that regex (tests/test_models_loader_errors.py), not
+against llama.cpp. From an HF folder: tokenizer.json, tokenizer_config.json and
+chat_template.jinja."""
 
 from __future__ import annotations
 
@@ -22,15 +24,42 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
 
-def _pre_tokenizer(pre: str):
-    """The GGUF `tokenizer.ggml.pre` names we rebuild exactly."""
+# llama.cpp's split regexes (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and
+# _LLAMA3; the models' tokenizer.json have the same with (?i:'s|...)), applied as
+# those tokenizer.json do: Split(isolated), then ByteLevel without its own regex.
+QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+               r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe")  # llama.cpp's names for LLAMA3
+PRE_TOKENIZERS = ("smollm", "gpt-2", "qwen2", *LLAMA3_NAMES)
+
+
+def _pre_tokenizer(pre: str | None, where: str):
+    """The GGUF `tokenizer.ggml.pre` names we rebuild (smollm checked against
+    llama.cpp; qwen2 and llama3 against their regex, see the module docstring)."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         byte_level])
-    if pre in ("gpt2", "default"):
+    if pre == "gpt-2":  # smollm's regex without the digit split
         return byte_level
-    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt2)")
+    if pre == "qwen2" or pre in LLAMA3_NAMES:
+        split = pre_tokenizers.Split(tokenizers.Regex(
+            QWEN2_SPLIT if pre == "qwen2" else LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(
+            add_prefix_space=False, use_regex=False)])
+    supported = ", ".join(PRE_TOKENIZERS)
+    # None and "default" are llama.cpp's fallback (four regexes applied in turn),
+    # which we have not matched against llama.cpp
+    if pre is None:
+        raise ValueError(f"{where}: GGUF lacks tokenizer.ggml.pre (llama.cpp's 'default' "
+                         f"split is not supported; supported: {supported})")
+    if pre == "default":
+        raise ValueError(f"{where}: GGUF pre-tokenizer 'default' (llama.cpp's fallback split) "
+                         f"is not supported (supported: {supported})")
+    raise ValueError(f"{where}: unsupported GGUF pre-tokenizer {pre!r} (supported: "
+                     f"{supported})")
 
 
 class Tokenizer:
@@ -94,21 +123,27 @@ class Tokenizer:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_gguf_fields(cls, get) -> Tokenizer:
-        """From GGUF metadata; get(key, default) reads one field."""
+    def from_gguf_fields(cls, get, where: str = "GGUF") -> Tokenizer:
+        """From GGUF metadata; get(key, default) reads one field; errors name `where`."""
         kind = get("tokenizer.ggml.model", None)
         if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE "
-                             "'gpt2' only)")
+            raise ValueError(f"{where}: unsupported GGUF tokenizer model {kind!r} (byte-level "
+                             "BPE 'gpt2' only)")
         tokens = get("tokenizer.ggml.tokens", None)
         merges = get("tokenizer.ggml.merges", None)
         if not tokens or merges is None:
-            raise ValueError("GGUF tokenizer lacks tokenizer.ggml.tokens or .merges")
+            raise ValueError(f"{where}: GGUF tokenizer lacks tokenizer.ggml.tokens or .merges")
+        pre = get("tokenizer.ggml.pre", None)
+        pre_tokenizer = _pre_tokenizer(pre, where)
+        llama3 = pre in LLAMA3_NAMES
         types = get("tokenizer.ggml.token_type", None) or [TOKEN_NORMAL] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+        # llama3: a word that is itself a token is taken whole (llama.cpp's and
+        # tokenizer.json's ignore_merges)
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         ignore_merges=llama3)
         hf = tokenizers.Tokenizer(bpe)
-        hf.pre_tokenizer = _pre_tokenizer(get("tokenizer.ggml.pre", "gpt2"))
+        hf.pre_tokenizer = pre_tokenizer
         hf.decoder = decoders.ByteLevel()
         added = [tokenizers.AddedToken(t, special=ty == TOKEN_CONTROL, normalized=False)
                  for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
@@ -122,7 +157,8 @@ class Tokenizer:
         return cls(hf, chat_template=get("tokenizer.chat_template", None),
                    bos_token=token("tokenizer.ggml.bos_token_id"),
                    eos_token=token("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)))
+                   # llama.cpp adds BOS for llama3 unless the file says otherwise
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token", llama3)))
 
     @classmethod
     def from_hf_dir(cls, path: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -137,12 +173,26 @@ class Tokenizer:
         conf = {}
         tc = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(tc):
-            with open(tc, encoding="utf-8") as f:
-                conf = json.load(f)
+            try:
+                with open(tc, encoding="utf-8") as f:
+                    conf = json.load(f)
+            except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError
+                raise ValueError(f"{tc}: cannot read ({e})") from None
+            if not isinstance(conf, dict):
+                raise ValueError(f"{tc}: expected a JSON object, got {type(conf).__name__}")
         template = conf.get("chat_template")
         if isinstance(template, list):  # [{name, template}]: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"),
                             template[0]["template"] if template else None)
+        # Recent transformers write the template to its own file, and read that
+        # file first when both exist.
+        jinja = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            try:
+                with open(jinja, encoding="utf-8") as f:
+                    template = f.read()
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{jinja}: cannot read ({e})") from None
 
         def name(v):
             return v.get("content") if isinstance(v, dict) else v
