@@ -43,10 +43,16 @@ CASES = [
     (["bench", "generate", "--implementation", "cuda"],
      "argument --implementation: unknown 'cuda'; choose from pallas, cpu, xla"),
     (["serve", "--implementation", "cuda"], "argument --implementation: invalid choice: 'cuda'"),
+    # --rope-scaling is checked before the model loads
     (["generate", "--prompt", "hi", "--rope-scaling", "foo:2"],
-     "rope_scaling='foo:2': RopeScaling.kind='foo': must be one of"),
+     "argument --rope-scaling: expected KIND:FACTOR, KIND one of linear, llama3, yarn"),
     (["generate", "--prompt", "hi", "--rope-scaling", "llama3"],
-     "rope_scaling='llama3': expected KIND:FACTOR"),
+     "argument --rope-scaling: expected KIND:FACTOR"),
+    (["generate", "--prompt", "hi", "--rope-scaling", "llama3:0.5"],
+     "FACTOR >= 1, e.g. llama3:4; got 'llama3:0.5'"),
+    (["generate", "--model", "llama3-8b-shapes", "--prompt", "hi"],  # before 16 GB of weights
+     "--model llama3-8b-shapes: random weights and no tokenizer"),
+    (["generate", "--prompt-file", "{latin1}"], "latin1.txt: not UTF-8 text (byte 0xe9 at offset 4)"),
     (["generate", "--prompt", "hi", "--rope-theta", "1"], "argument --rope-theta: must be > 1"),
     (["generate", "--prompt", "hi", "--presence-penalty", "-3"],
      "argument --presence-penalty: must be >= -2.0, got -3"),
@@ -116,7 +122,9 @@ CASES = [
 def files(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("q k v\n1 2 3\n")
+    (tmp_path / "latin1.txt").write_bytes("cafe\u00e9".encode("latin-1"))  # not UTF-8
     return {"npz": _npz(tmp_path), "missing": str(tmp_path / "nope.npz"), "text": str(text),
+            "latin1": str(tmp_path / "latin1.txt"),
             "pickled": _npz(tmp_path, "pickled.npz", extra_q=np.array([{"a": 1}], dtype=object)),
             "no_heads": _npz(tmp_path, "no_heads.npz", k=(600, 0, 32)),
             "no_queries": _npz(tmp_path, "no_queries.npz", q=(0, 4, 32)),

@@ -167,8 +167,16 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
                       (["generate", "--prompt-file", str(tmp_path / "none.txt")],
                        "--prompt-file .*none.txt: No such file"),
                       (["generate", "--prompt", "a", "--budget-tokens", "100"],
-                       "--budget-tokens 100: must be a multiple of 16")]:
-        assert re.search(f"^hisparse generate: error: {msg}", cli_error(capsys, argv))
+                       "--budget-tokens 100: must be a multiple of 16"),
+                      # checked once the model is there, before any compile
+                      (["generate", "--prompt", "a", "--max-context", "16384"],
+                       "--max-context 16384: past the model's 8192 tokens; extend them"),
+                      (["generate", "--prompt", ""], "--prompt: the prompt is empty"),
+                      (["generate", "--prompt-file", "/usr/share/common-licenses/GPL-3",
+                        "--max-context", "1024"],
+                       "--prompt-file .*GPL-3: [0-9]+ tokens do not fit the max context of 1024"),
+                      (["demo", "--tokens", "9000"], "--tokens 9000: past the model's 8192")]:
+        assert re.search(f"^hisparse {argv[0]}: error: {msg}", cli_error(capsys, argv))
     main(["export", "--model", "smollm2-135m", "--format", "hf", str(tmp_path / "hf")])
     assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
     assert re.search("^hisparse export: error: .*not an empty folder",

@@ -9,6 +9,7 @@ them as one line, `hisparse <cmd>: error: ...`, and exits with code 2.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from hisparse_jax.cli.args import (
@@ -44,17 +45,21 @@ def main_generate(args):
     from hisparse_jax.config import FULL_BUDGET
     from hisparse_jax.models.engine import Engine
     from hisparse_jax.models.generate import generate, prompt_ids
-    from hisparse_jax.models.registry import load
+    from hisparse_jax.models.registry import load, resolve
 
     if (args.prompt is None) == (args.prompt_file is None):
         _fail("generate", "give exactly one of --prompt TEXT and --prompt-file F")
-    text = args.prompt
+    text, source = args.prompt, "--prompt"
     if args.prompt_file is not None:
+        source = f"--prompt-file {args.prompt_file}"
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
-            _fail("generate", f"--prompt-file {args.prompt_file}: {e.strerror or e}")
+            _fail("generate", f"{source}: {e.strerror or e}")
+        except UnicodeDecodeError as e:
+            _fail("generate", f"{source}: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                              f"offset {e.start})")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         _fail("generate", f"--top-p {args.top_p}: must be in (0, 1]")
     from hisparse_jax.models.sampling import MAX_PENALTY
@@ -66,11 +71,20 @@ def main_generate(args):
         _fail("generate", f"--budget-tokens {args.budget_tokens}: must be a multiple of 16 "
                           "(the page size) or 'all'")
     try:
+        if resolve(args.model).kind == "random":  # before building its weights
+            _fail("generate", f"--model {args.model}: random weights and no tokenizer; "
+                              "generate needs a model with one")
         model, tok = load(args.model, **rope_overrides(args))
+        trained = model.cfg.max_position
+        if args.max_context is not None and args.max_context > trained:
+            _fail("generate", f"--max-context {args.max_context}: past the model's "
+                              f"{trained} tokens; extend them with --rope-scaling KIND:FACTOR")
         ids = prompt_ids(tok, text, args.chat)
-        limit = args.max_context or model.cfg.max_position
+        if not ids:
+            _fail("generate", f"{source}: the prompt is empty")
+        limit = args.max_context or trained
         if len(ids) >= limit:
-            _fail("generate", f"--prompt: {len(ids)} tokens do not fit the max context of "
+            _fail("generate", f"{source}: {len(ids)} tokens do not fit the max context of "
                               f"{limit} tokens")
         context = args.max_context or min(limit, -(-(len(ids) + args.max_tokens) // 256) * 256)
         engine = Engine(model, max_context=context, attention=args.attention,
@@ -97,10 +111,25 @@ def rope_overrides(args) -> dict:
                               ("rope_scaling", args.rope_scaling)) if v is not None}
 
 
+def rope_scaling(text: str) -> str:
+    """An argparse type: --rope-scaling's KIND:FACTOR, checked before any model loads."""
+    from hisparse_jax.models.llama import ROPE_KINDS
+    kind, _, factor = text.partition(":")
+    try:
+        ok = kind in ROPE_KINDS and float(factor) >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected KIND:FACTOR, KIND one of "
+                                         f"{', '.join(ROPE_KINDS)} and FACTOR >= 1, e.g. "
+                                         f"llama3:4; got {text!r}")
+    return text
+
+
 def add_rope_flags(p):
     p.add_argument("--rope-theta", type=number(1.0, above=True), default=None, metavar="X",
                    help="override the checkpoint's RoPE base")
-    p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
+    p.add_argument("--rope-scaling", type=rope_scaling, default=None, metavar="KIND:FACTOR",
                    help="extend past the trained length: linear, llama3 or yarn, e.g. "
                         "llama3:4 (the max context becomes FACTOR x the trained length)")
 

@@ -79,6 +79,9 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     model, tok = load(model_name)
     if tok is None:
         raise ValueError(f"{model_name}: the demo needs a model with a tokenizer")
+    if tokens > model.cfg.max_position:
+        raise ValueError(f"--tokens {tokens}: past the model's {model.cfg.max_position} "
+                         "tokens (the demo runs no RoPE scaling)")
     key = int(np.random.default_rng().integers(10000, 100000)) if key is None else key
     ids = passkey_ids(tok, tokens, depth, key)
     n = len(ids)
