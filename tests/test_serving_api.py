@@ -67,10 +67,11 @@ def _metrics(server) -> dict[str, float]:
     return out
 
 
-def _post(server, path, body, key=KEY, **kw):
+def _post(server, path, body, key=KEY, timeout=120, **kw):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(server["url"] + path, content=data, headers=headers, timeout=120, **kw)
+    return httpx.post(server["url"] + path, content=data, headers=headers, timeout=timeout,
+                      **kw)
 
 
 FRANCE = "The capital of France is"
@@ -163,6 +164,8 @@ def test_seeds_reproduce(client):
     ({"prompt": FRANCE, "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": FRANCE, "max_tokens": -3}, 400, "max_tokens"),
     ({"prompt": FRANCE, "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ({"prompt": [5] * CONTEXT}, 400, "prompt"),  # no room for a token, whatever max_tokens
+    ({"prompt": "abc\ud800"}, 400, "prompt"),  # valid JSON, no text a tokenizer takes
     ({"prompt": FRANCE, "n": 0}, 400, "n"),
     ({"prompt": FRANCE, "n": 17}, 400, "n"),
     ({"prompt": [99999999]}, 400, "prompt"),
@@ -275,7 +278,18 @@ def test_api_key_and_chat_errors(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user"}], "n": 17})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    assert _post(server, "/v1/nope", {}).status_code == 404
+    # Starlette's own errors in OpenAI's shape too
+    for r, status in ((_post(server, "/v1/nope", {}), 404),
+                      (httpx.get(server["url"] + "/v1/completions",
+                                 headers={"Authorization": f"Bearer {KEY}"}), 405)):
+        assert r.status_code == status and set(r.json()["error"]) == \
+            {"message", "type", "param", "code"} and r.json()["error"]["message"], r.text
+    r = httpx.delete(server["url"] + "/v1/prewarm/doc?model=gpt-4",
+                     headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = _post(server, "/v1/chat/completions",
+              {"messages": [{"role": "user", "content": "word " * CONTEXT}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
@@ -297,6 +311,47 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     key = 'hisparse:request_success_total{finished_reason="abort"}'
     assert after.get(key, 0) == before.get(key, 0) + 1
     assert after["hisparse:kv_cache_usage_perc"] == 0
+
+
+def test_disconnect_without_streaming_frees_the_slot(server):
+    """A client that gives up on a non-streamed answer cancels it: its slot is free
+    within about a second (the handler looks on a clock; it used to look only when
+    no token had come for a second, so a request kept generating to max_tokens)."""
+    before = _metrics(server)
+    body = {"prompt": "Tell me a long story.", "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", body, timeout=httpx.Timeout(120, read=4))
+    deadline = time.monotonic() + 5
+    while _metrics(server)["hisparse:num_requests_running"] != 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.1)
+    key = 'hisparse:request_success_total{finished_reason="abort"}'
+    assert _metrics(server).get(key, 0) == before.get(key, 0) + 1
+
+
+def test_traffic_records_what_was_accepted_as_sent(server):
+    """--record-traffic writes an accepted request with what its client set (so that
+    a replay sends the same request), and nothing for a refused one."""
+    traffic = server["log"].with_name("traffic.jsonl")
+    body = {"prompt": FRANCE + " (recorded)", "max_tokens": 3, "temperature": 0.5,
+            "top_p": 0.9, "seed": 7, "stop": ["\n\n"], "n": 2}
+    assert _post(server, "/v1/completions", body).status_code == 200
+    refused = {"prompt": FRANCE + " (refused)", "max_tokens": 0}
+    assert _post(server, "/v1/completions", refused).status_code == 400
+    rows = [json.loads(line) for line in traffic.read_text().splitlines()]
+    row = next(r for r in rows if r.get("prompt") == body["prompt"])
+    assert {k: row[k] for k in body} == body and row["model"] == MODEL
+    assert not any(r.get("prompt") == refused["prompt"] for r in rows)
+
+
+def test_streamed_logprobs_count_text_offsets_from_the_start(server):
+    body = {"prompt": FRANCE, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    events = _sse(server, {**body, "stream": True}, key=KEY)
+    offsets = [o for e in events if e.get("choices") and e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["text_offset"] and len(set(offsets)) > 1
 
 
 def test_prewarm_skips_the_documents_prefill(server, tok):
@@ -526,8 +581,10 @@ def test_bounded_load_matches_served_alone(load_server, tok, record_property):
     record_property("load", line)
     assert not lost, lost[:5]
     assert retries >= LOAD_CLIENTS - 4 - 48  # the first wave overflowed the queue
-    assert all(err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
-               for _, _, err in refused), refused[:3]
+    # a prompt that fills the context is the prompt's fault, else max_tokens'
+    assert all(err["code"] == "context_length_exceeded" and err["param"] ==
+               ("prompt" if name == "over-prompt" else "max_tokens")
+               for name, _, err in refused), refused[:3]
     assert refused and all(jobs[name].over for name, *_ in refused)
     # every kind ran under load, and each answer is the one served alone
     assert set(by_kind) == set(alone), by_kind
@@ -574,7 +631,12 @@ def test_recorded_traffic_replays(server, capsys):
           "none", "--dataset", "replay", "--dataset-path", str(traffic), "--num-prompts", "3",
           "--replay-speed", "1000", "--warmup", "0", "--no-progress", "--json", "-"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert row["completed"] == 3 and row["output_tokens"] == 8 + 8 + 8
+    # the lines' own fields are sent: the second request stops at its "." again
+    assert rows[1]["stop"] == ["."] and rows[1]["temperature"] == 0
+    again = _post(server, "/v1/completions", {k: v for k, v in rows[1].items()
+                                              if k != "timestamp"}).json()
+    assert row["completed"] == 3
+    assert row["output_tokens"] == 8 + again["usage"]["completion_tokens"] + 8 < 24
 
 
 def test_queue_full_answers_503_with_retry_after(server):
@@ -609,11 +671,12 @@ def fault_server(tmp_path_factory):
         yield {"url": url, "proc": proc, "log": log}
 
 
-def _sse(server, body) -> list[dict]:
+def _sse(server, body, key=None) -> list[dict]:
     """A streamed completion's events (the JSON of each `data:` line, "[DONE]" as
     {"done": True})."""
     out = []
-    with httpx.stream("POST", server["url"] + "/v1/completions", json=body,
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=headers,
                       timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -738,6 +801,24 @@ def test_nan_in_one_request_never_reaches_another(fault_server):
     assert after['hisparse:kv_cold_pool_pages{state="used"}'] == 0
     assert after["hisparse:num_requests_running"] == 0
     assert "fault injection is ON" in fault_server["log"].read_text()
+
+
+def test_bench_serve_counts_a_stream_that_failed_as_failed(fault_server, tmp_path, capsys):
+    """A stream that ends in an error event after its 200 (here its K/V turn NaN)
+    is a failed request in `bench serve`'s figures, not a completed one (it was).
+    The replay sends each line's own fields, fault_nan_kv_after among them."""
+    from hisparse_jax.cli import main
+    lines = [{"prompt": FRANCE, "max_tokens": 6, "ignore_eos": True},
+             {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True,
+              "fault_nan_kv_after": 3}]
+    path = tmp_path / "replay.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    main(["bench", "serve", "--base-url", fault_server["url"], "--tokenizer", "none",
+          "--dataset", "replay", "--dataset-path", str(path), "--warmup", "0",
+          "--temperature", "0", "--no-progress", "--json", "-"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["requests"] == 2 and row["completed"] == 1 and row["failed"] == 1, row
+    assert row["output_tokens"] == 6 and any("non-finite" in e for e in row["errors"])
 
 
 def test_fault_injection_is_off_by_default(server):

@@ -263,8 +263,9 @@ def test_bench_datasets(model):
 def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids):
     """A pool too small for two copies of a document runs two requests over it at
     once: each references the pinned document's cold pages and stores only its
-    own tail; both answers equal the prompt served alone. After DELETE and their
-    end, the document's pages are only cached (free on demand)."""
+    own tail; both answers equal the prompt served alone. A request the pin leaves
+    too few pages gets an error, not an endless wait. After DELETE and their end,
+    the document's pages are only cached (free on demand)."""
     m, tok = model
     doc = [int(x) for x in long_ids]
     qs = [doc + tok.encode(q) for q in (" What is green?", " And which colour is the sky?")]
@@ -297,9 +298,26 @@ def test_requests_over_a_prewarmed_document_share_its_cold_pages(model, long_ids
         alone = [int(probe.tokens[0])] + [int(probe.decode_step()[0]) for _ in range(7)]
         probe.release(0)
         assert s.ids == alone and s.finish.reason == "length"
+    # a request that shares nothing needs more pages than the pin leaves: once
+    # nothing else runs it fails with a clear error (it waited forever, and the
+    # engine thread spun, before), and after the DELETE it runs
+    other = [int(x) for x in long_ids[::-1]]
+    assert cold(len(other) + 8) > pool - cold(len(doc))
+    starved = Collect()
+    sched.submit(Request(other, 8, GREEDY, starved))
+    for _ in range(3):
+        sched.step()
+    f = starved.finish
+    assert f is not None and f.reason == "error" and f.code == "kv_pool_too_small"
+    assert "pinned by prewarmed contexts" in f.message and not sched.waiting
     assert sched.unpin("doc")
     sched.step()  # the engine thread lets the document's pages go
     assert eng.prefix_stats()["pinned_pages"] == 0 and eng.pool_usage()[0] == 0
+    fed = Collect()
+    sched.submit(Request(other, 8, GREEDY, fed))
+    while fed.finish is None:
+        assert sched.step()
+    assert fed.finish.reason == "length" and len(fed.ids) == 8
 
 
 @pytest.mark.parametrize(("attention", "text"), [("hisparse", "grass"), ("dense", "grass"),

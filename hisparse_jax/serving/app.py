@@ -22,6 +22,7 @@ import pathlib
 import random
 import subprocess
 import time
+import traceback
 import uuid
 from typing import Any, Literal
 
@@ -30,7 +31,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hisparse_jax.config import IMPLEMENTATIONS
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.scheduler import POLICIES
@@ -46,6 +50,7 @@ from hisparse_jax.serving.scheduler import (
 from hisparse_jax.validate import check_int, check_number
 
 log = logging.getLogger("hisparse.serve")
+DISCONNECT_CHECK_S = 1.0  # how often a waiting handler asks whether its client is gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,7 @@ class ServeConfig:
     fault_injection: bool = False        # tests only: honour a request's fault_nan_kv_after
     offload: bool = False                # cold pages in host memory (HiSparse)
     offload_policy: str = "predictive"   # the working sets' scheduler (scheduler.POLICIES)
-    implementation: str | None = None    # HiSparse kernels: "pallas", "xla" (None: by backend)
+    implementation: str | None = None    # HiSparse kernels: "pallas", "cpu", "xla" (None: by backend)
 
     def __post_init__(self):
         if not (isinstance(self.models, tuple) and self.models
@@ -99,8 +104,9 @@ class ServeConfig:
         if self.offload_policy != "predictive" and not self.offload:
             raise ValueError("offload_policy: only with offload (the scheduler of the "
                              "offloaded cold pages)")
-        if self.implementation not in (None, "pallas", "xla"):
-            raise ValueError(f"implementation={self.implementation!r}: choose from pallas, xla")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation={self.implementation!r}: choose from "
+                             f"{', '.join(i for i in IMPLEMENTATIONS if i)}")
         if self.kv_pool_pages is not None:
             check_int("kv_pool_pages", self.kv_pool_pages, minimum=1)
             if self.attention != "hisparse":
@@ -172,6 +178,12 @@ NOT_IMPLEMENTED = {"repetition_penalty": (1,), "best_of": (1,), "suffix": ("",),
                    "tools": ([],), "response_format": ({"type": "text"},)}
 
 
+# Not in --record-traffic's lines: how the answer travels, or not the client's own
+# (the prompt and max_tokens are written as the server took them).
+UNRECORDED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
+              "stream_options", "fault_nan_kv_after"}
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -224,7 +236,8 @@ def lineage(engine, model_path: pathlib.Path | None) -> dict:
         for f in sorted(model_path.glob("*.safetensors")):
             h.update(sha256(f).encode())
         model_sha = h.hexdigest()
-    cache = (engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg)
+    cache = (engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg,
+             engine.implementation)
     if engine.offload:  # the same answers, but another set-up: say which
         cache += ("offload", engine.working_set, engine.cold.sched.policy)
     cache = repr(cache)
@@ -284,10 +297,32 @@ class State:
 
     def record(self, row: dict):
         """--record-traffic: one line per accepted request, in `bench serve --dataset
-        replay`'s format ({"timestamp", "prompt" or "messages", "max_tokens", ...})."""
+        replay`'s format ({"timestamp", "model", "prompt" or "messages", "max_tokens",
+        and what else the client set: `traffic`})."""
         if self.cfg.record_traffic:
             with open(self.cfg.record_traffic, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"timestamp": time.time(), **row}) + "\n")
+
+
+class LineageHeader:
+    """Adds `x-hisparse-lineage` to every response that has none. Plain ASGI, not
+    `@app.middleware("http")`: under Starlette's BaseHTTPMiddleware a handler's
+    `request.is_disconnected()` never saw a client go away, so an unstreamed
+    answer was computed to its end for nobody."""
+
+    def __init__(self, app, header: str):
+        self.app, self.header = app, header
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).setdefault("x-hisparse-lineage", self.header)
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def build_app(st: State) -> FastAPI:
@@ -303,11 +338,7 @@ def build_app(st: State) -> FastAPI:
 
     app = FastAPI(title="hisparse", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def add_lineage(request, call_next):
-        response = await call_next(request)
-        response.headers.setdefault("x-hisparse-lineage", header)
-        return response
+    app.add_middleware(LineageHeader, header=header)
 
     @app.exception_handler(APIError)
     async def on_api_error(request, e: APIError):
@@ -318,6 +349,18 @@ def build_app(st: State) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request, e):
         return _validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, e: StarletteHTTPException):
+        """Starlette's own errors (an unknown route, a wrong method) in OpenAI's shape."""
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                        headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, e: Exception):
+        log.error("request failed: %s", "".join(traceback.format_exception(e)))
+        return APIError(500, f"internal error: {type(e).__name__}: {e}",
+                        type="server_error").response()
 
     def auth(request: HTTPRequest):
         key = st.cfg.api_key
@@ -337,12 +380,15 @@ def build_app(st: State) -> FastAPI:
             req = schema.model_validate(body)
         except ValidationError as e:
             raise _validation_error(e) from None
-        ms = st.models.get(req.model or next(iter(st.models)))
+        return req, served(req.model)
+
+    def served(name: str | None) -> Served:
+        ms = st.models.get(name or next(iter(st.models)))
         if ms is None:
-            raise APIError(404, f"The model `{req.model}` does not exist (this server "
+            raise APIError(404, f"The model `{name}` does not exist (this server "
                            f"serves {', '.join(f'`{m}`' for m in st.models)})", param="model",
                            code="model_not_found")
-        return req, ms
+        return ms
 
     @app.get("/health")
     async def health():
@@ -381,10 +427,8 @@ def build_app(st: State) -> FastAPI:
         if r.logprobs is not None and not 0 <= r.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
         reqs = make_requests(ms, r, ids, r.max_tokens, r.logprobs)
-        req = reqs[0]
-        st.record({"model": ms.name, "prompt": prompt, "max_tokens": req.max_tokens,
-                   "temperature": req.sampling.temperature})
-        return await respond(request, ms, r, reqs, "text_completion")
+        return await respond(request, ms, r, reqs, "text_completion",
+                             traffic(ms, r, reqs, prompt=prompt))
 
     @app.post("/v1/prewarm")
     async def prewarm(request: HTTPRequest):
@@ -408,7 +452,14 @@ def build_app(st: State) -> FastAPI:
         req = Request(ids=ids, max_tokens=1, sampling=SamplingParams(), prewarm=r.context_id,
                       sink=sink)
         submit(ms, req)
-        ev = await done
+        while True:
+            try:
+                ev = await asyncio.wait_for(asyncio.shield(done), DISCONNECT_CHECK_S)
+                break
+            except TimeoutError:
+                if await request.is_disconnected():  # nobody waits for it: stop its prefill
+                    ms.scheduler.cancel(req)
+                    return Response(status_code=499)
         if ev.reason != "stop":
             raise APIError(400 if ev.reason == "error" else 503,
                            ev.message or f"prewarm {ev.reason}", param="context_id")
@@ -420,8 +471,7 @@ def build_app(st: State) -> FastAPI:
     @app.delete("/v1/prewarm/{context_id}")
     async def unpin(context_id: str, request: HTTPRequest, model: str | None = None):
         auth(request)
-        ms = st.models.get(model or next(iter(st.models)))
-        if ms is None or not ms.scheduler.unpin(context_id):
+        if not served(model).scheduler.unpin(context_id):
             raise APIError(404, f"no prewarmed context `{context_id}`", param="context_id",
                            code="context_not_found")
         return {"object": "prewarm", "context_id": context_id, "deleted": True}
@@ -447,10 +497,14 @@ def build_app(st: State) -> FastAPI:
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None \
             else r.max_tokens
         reqs = make_requests(ms, r, ids, max_tokens, top)
-        req = reqs[0]
-        st.record({"model": ms.name, "messages": messages, "max_tokens": req.max_tokens,
-                   "temperature": req.sampling.temperature})
-        return await respond(request, ms, r, reqs, "chat.completion")
+        return await respond(request, ms, r, reqs, "chat.completion",
+                             traffic(ms, r, reqs, messages=messages))
+
+    def traffic(ms: Served, r: _Common, reqs: list[Request], **prompt) -> dict:
+        """--record-traffic's line for a request: what the client set (sampling,
+        stop, n, context_id, ...), the prompt, and the max_tokens it got."""
+        return {**r.model_dump(exclude_none=True, exclude_defaults=True, exclude=UNRECORDED),
+                "model": ms.name, **prompt, "max_tokens": reqs[0].max_tokens}
 
     def prompt_ids(ms: Served, prompt: str | list[int]) -> list[int]:
         """Text through the model's tokenizer, or token ids checked against its vocabulary."""
@@ -458,7 +512,11 @@ def build_app(st: State) -> FastAPI:
             if ms.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids",
                                param="prompt")
-            return ms.tokenizer.encode(prompt)
+            try:
+                return ms.tokenizer.encode(prompt)
+            except Exception as e:  # noqa: BLE001 (e.g. a lone surrogate: the client's text)
+                raise APIError(400, f"the prompt cannot be tokenized: {e}",
+                               param="prompt") from None
         vocab = ms.engine.model.cfg.vocab_size
         if any(not 0 <= i < vocab for i in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -484,6 +542,11 @@ def build_app(st: State) -> FastAPI:
                                param="context_id", code="context_not_found")
             ids = list(pinned.ids) + ids
         limit = ms.engine.max_context
+        if len(ids) >= limit:  # no room for one generated token, whatever max_tokens says
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                           f"However, your prompt has {len(ids)} tokens, which leaves no "
+                           f"room for a completion.", param="prompt",
+                           code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit - len(ids)
         if max_tokens < 1:
@@ -543,9 +606,10 @@ def build_app(st: State) -> FastAPI:
             raise APIError(400, str(e), param="max_tokens", code="kv_pool_too_small") from None
 
     async def respond(http: HTTPRequest, ms: Served, r: _Common, reqs: list[Request],
-                      kind: str):
+                      kind: str, record: dict):
         """Submit the request's generations (all or none: a full queue refuses the
-        rest and cancels those it took) and answer with their choices."""
+        rest and cancels those it took), record the request once accepted, and
+        answer with its choices."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Token | Finish)
         for i, req in enumerate(reqs):
@@ -557,6 +621,7 @@ def build_app(st: State) -> FastAPI:
                 for taken in reqs[:k]:
                     ms.scheduler.cancel(taken)
                 raise
+        st.record(record)
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         chat = kind == "chat.completion"
@@ -568,13 +633,16 @@ def build_app(st: State) -> FastAPI:
         tokens: list[list[Token]] = [[] for _ in reqs]
         finish: list[Finish | None] = [None] * len(reqs)
         try:
+            check = loop.time() + DISCONNECT_CHECK_S
             while None in finish:
                 try:
-                    i, ev = await asyncio.wait_for(events.get(), 1.0)
+                    i, ev = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    ev = None
+                if loop.time() >= check:  # on a clock: tokens may never pause
                     if await http.is_disconnected():  # the client went away
                         return Response(status_code=499)
-                    continue
+                    check = loop.time() + DISCONNECT_CHECK_S
                 if isinstance(ev, Finish):
                     finish[i] = ev
                 elif isinstance(ev, Token):
@@ -584,6 +652,8 @@ def build_app(st: State) -> FastAPI:
                 if f is None:  # gone, or the server is stopping
                     ms.scheduler.cancel(req)
         failed = [f for f in finish if f.reason == "error"]
+        if failed and failed[0].code == "kv_pool_too_small":
+            raise APIError(400, failed[0].message, param="max_tokens", code=failed[0].code)
         if failed:
             raise APIError(500, f"the engine failed: {failed[0].message}", type="server_error")
         choices = []
@@ -620,6 +690,7 @@ def build_app(st: State) -> FastAPI:
         # last), not on a chunk of its own sent before the prefill: clients that time
         # the first chunk (vLLM 0.32's `bench serve`) would take it for the first token.
         role = [{"role": "assistant"} if chat else {} for _ in reqs]
+        offset = [0] * len(reqs)  # each choice's text so far: logprobs' text_offset
         try:
             while None in finish:
                 i, ev = await events.get()
@@ -629,7 +700,7 @@ def build_app(st: State) -> FastAPI:
                     last.update({"delta": role[i]} if chat else {"text": ""})
                     if ev.reason == "error":
                         err = {"message": ev.message, "type": "server_error", "param": None,
-                               "code": None}
+                               "code": ev.code}
                         yield f"data: {json.dumps({'error': err})}\n\n"
                     yield chunk([last])
                     continue
@@ -642,8 +713,9 @@ def build_app(st: State) -> FastAPI:
                          else None}
                 else:
                     c = {"index": i, "text": ev.text, "finish_reason": None,
-                         "logprobs": _logprobs(ms, [ev]) if reqs[i].logprobs is not None
-                         else None}
+                         "logprobs": _logprobs(ms, [ev], offset[i])
+                         if reqs[i].logprobs is not None else None}
+                offset[i] += len(ev.text)
                 yield chunk([c])
                 role[i] = {}
             done = True
@@ -656,13 +728,15 @@ def build_app(st: State) -> FastAPI:
                     if f is None:
                         ms.scheduler.cancel(req)
 
-    def _logprobs(ms: Served, tokens: list[Token]) -> dict:
+    def _logprobs(ms: Served, tokens: list[Token], offset: int = 0) -> dict:
+        """Completions' logprobs of `tokens`, whose text starts at `offset` of the choice's."""
         toks = [t for t in tokens if t.id is not None]
         dec = ms.tokenizer.decode if ms.tokenizer is not None else str
         return {"tokens": [dec([t.id]) for t in toks],
                 "token_logprobs": [t.logprob for t in toks],
                 "top_logprobs": [{dec([i]): lp for i, lp in t.top} for t in toks],
-                "text_offset": [0, *itertools.accumulate(len(t.text) for t in toks)][:len(toks)]}
+                "text_offset": list(itertools.accumulate((len(t.text) for t in toks[:-1]),
+                                                         initial=offset))[:len(toks)]}
 
     def _chat_logprobs(ms: Served, tokens: list[Token]) -> dict:
         dec = ms.tokenizer.decode if ms.tokenizer is not None else str

@@ -6,8 +6,9 @@ token throughput, and goodput under an SLO.
 Datasets: `random` (fixed or ranged lengths), `lognormal-bimodal` (lognormal
 prompt lengths; most answers short, some long), `prefix` (one shared document,
 many questions), `replay FILE.jsonl` (lines {"prompt" or "messages",
-"max_tokens", optional "timestamp" in seconds}: sent at their times; `hisparse
-serve --record-traffic FILE` writes them). Arrivals are Poisson at
+"max_tokens", optional "timestamp" in seconds, and any other request field, sent
+as recorded}: sent at their times; `hisparse serve --record-traffic FILE` writes
+them). Arrivals are Poisson at
 --request-rate (inf: all at once), at most --max-concurrency in flight; the
 --warmup requests before them are excluded from the figures.
 """
@@ -26,6 +27,11 @@ import numpy as np
 from hisparse_jax.cli.args import CLIError, nonnegative_int, number, positive_int
 
 DATASETS = ("random", "lognormal-bimodal", "prefix", "replay")
+EXACT_TRIES = 8  # re-encodings for an exact prompt length (1-3 suffice for SmolLM2's BPE)
+# A replay line's fields that the client sets itself; the others (temperature,
+# top_p, seed, stop, n, context_id, ...) are sent as recorded.
+REPLAY_OWN = ("timestamp", "model", "prompt", "messages", "max_tokens", "stream",
+              "stream_options")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 
 
@@ -34,6 +40,7 @@ class Job:
     prompt: str | list[int] | list[dict]  # text, token ids, or chat messages (replay)
     max_tokens: int
     at: float | None = None  # replay: seconds after the start
+    body: dict = dataclasses.field(default_factory=dict)  # replay: the request's other fields
 
 
 @dataclasses.dataclass
@@ -67,16 +74,32 @@ def _lengths(spec: str, n: int, rng) -> np.ndarray:
 
 
 class Prompts:
-    """Prompts of a given token length: random token ids of the tokenizer's
-    ordinary vocabulary, decoded to text (ids when there is no tokenizer)."""
+    """Prompts of an exact token length: random token ids of the tokenizer's
+    ordinary vocabulary, decoded to text that the tokenizer encodes to n ids
+    (ids when there is no tokenizer)."""
 
     def __init__(self, tokenizer, rng):
         self.tok, self.rng = tokenizer, rng
         self.vocab = tokenizer.vocab_size if tokenizer is not None else 32000
 
+    def _random(self, n: int) -> list[int]:
+        return self.rng.integers(300, self.vocab - 300, int(n)).tolist()
+
     def make(self, n: int) -> str | list[int]:
-        ids = self.rng.integers(300, self.vocab - 300, int(n)).tolist()
-        return self.tok.decode(ids) if self.tok is not None else ids
+        ids = self._random(n)
+        if self.tok is None:
+            return ids
+        # decoded random ids re-encode ~5% longer (merges across their boundaries):
+        # cut or extend the re-encoded ids until the text encodes to n
+        text = self.tok.decode(ids)
+        for _ in range(EXACT_TRIES):
+            extra = len(self.tok.encode(text)) - n
+            if extra == 0:
+                break
+            ids = self.tok.encode(text, add_bos=False)
+            ids = ids[:len(ids) - extra] if extra > 0 else ids + self._random(-extra)
+            text = self.tok.decode(ids)
+        return text
 
 
 def build_jobs(args, tokenizer) -> list[Job]:
@@ -110,8 +133,10 @@ def build_jobs(args, tokenizer) -> list[Job]:
                 try:
                     row = json.loads(line)
                     prompt = row["messages"] if "messages" in row else row["prompt"]
+                    body = {k: v for k, v in row.items() if k not in REPLAY_OWN}
                     jobs.append(Job(prompt, int(row.get("max_tokens", 128)),
-                                    float(row["timestamp"]) if "timestamp" in row else None))
+                                    float(row["timestamp"]) if "timestamp" in row else None,
+                                    body))
                 except (ValueError, KeyError, TypeError) as e:
                     raise CLIError(f"{args.dataset_path}:{k}: not a request line ({e})") \
                         from None
@@ -129,8 +154,9 @@ def build_jobs(args, tokenizer) -> list[Job]:
 async def one(client, args, model: str, job: Job) -> Result:
     messages = isinstance(job.prompt, list) and job.prompt and isinstance(job.prompt[0], dict)
     chat = args.endpoint == "chat" or messages
-    body = {"model": model, "max_tokens": job.max_tokens, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"temperature": args.temperature, **job.body, "model": model,
+            "max_tokens": job.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
     if messages:
@@ -142,7 +168,7 @@ async def one(client, args, model: str, job: Job) -> Result:
         body["prompt"] = job.prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     res, t0 = Result(), time.perf_counter()
-    last, chunks = None, 0
+    last, chunks, ended, failed = None, 0, None, ""
     try:
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -155,10 +181,13 @@ async def one(client, args, model: str, job: Job) -> Result:
                 if data == "[DONE]":
                     break
                 ev = json.loads(data)
+                if ev.get("error"):  # a stream that failed after its 200
+                    failed = str(ev["error"].get("message", ev["error"]))[:200]
                 if ev.get("usage"):
                     res.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
                     res.output_tokens = ev["usage"].get("completion_tokens", 0)
                 for c in ev.get("choices") or ():
+                    ended = c.get("finish_reason") or ended
                     piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
                     if piece:
                         now = time.perf_counter()
@@ -169,9 +198,11 @@ async def one(client, args, model: str, job: Job) -> Result:
                         last, chunks = now, chunks + 1
         res.e2el = time.perf_counter() - t0
         res.output_tokens = res.output_tokens or chunks
-        res.ok = last is not None
+        # only a stream that ended as the server meant it to counts (not an abort)
+        res.ok = last is not None and not failed and ended in ("stop", "length")
         if not res.ok:
-            res.error = "no tokens"
+            res.error = failed or ("no tokens" if last is None else
+                                   f"finish_reason {ended!r}")
     except Exception as e:  # noqa: BLE001 (a failed request is a figure, not a crash)
         res.error = f"{type(e).__name__}: {e}"
     return res

@@ -32,7 +32,9 @@ admission on, `Engine.hold_prefix`). The head of the queue waits (FIFO, nothing
 overtakes it) until the pool's available pages (free, or held only by unused
 prefix entries, which are evicted on demand) cover what the running requests
 may still take plus its own need; a request that needs more than the whole pool
-is refused at `submit` (`TooLarge`, a 400). A running sequence therefore never
+is refused at `submit` (`TooLarge`, a 400), and one that needs more than the
+pages prewarmed contexts leave unpinned fails once nothing else runs (its
+"error" finish has code "kv_pool_too_small"). A running sequence therefore never
 finds the pool empty, and none is evicted or overwritten to make room. With the
 default pool (every slot's full context) the reservation never binds.
 
@@ -103,6 +105,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     message: str = ""    # what went wrong, for "error"
+    code: str | None = None  # "kv_pool_too_small": the request's fault (a 400), not the engine's
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,6 +132,7 @@ class Request:
 
 _ids = itertools.count()
 MAX_PREFIXES = 8  # pinned contexts (each holds its bf16 K/V on the device)
+IDLE_WAIT_S = 0.05  # a step that found nothing to do waits this long, or for news
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,22 +276,29 @@ class Scheduler:
     def run(self):
         while True:
             with self.cond:
-                while not (self.waiting or self.running() or not self.admitting):
+                while not (self.waiting or self.running() or self._unpinned or not self.admitting):
                     self.cond.wait()
                 if not self.admitting and not self.waiting and not self.running():
                     self.stopped = True
                     return
             t = time.perf_counter()
             try:
-                self.step()
+                worked = self.step()
             except Exception as e:  # noqa: BLE001 (a bug: fail what runs, keep serving)
                 log.error("engine step failed: %s", traceback.format_exc())
                 for slot, seq in enumerate(self.slots):
                     if seq is not None:
                         self._finish(slot, "error", f"{type(e).__name__}: {e}")
-            self.busy_s += time.perf_counter() - t
+                worked = True
+            if worked:
+                self.busy_s += time.perf_counter() - t
+            else:  # the queue's head waits for pages, nothing runs: no busy loop
+                with self.cond:
+                    self.cond.wait(IDLE_WAIT_S)
 
-    def step(self):
+    def step(self) -> bool:
+        """One engine step: prefill blocks up to the budget, then one decode step
+        for the running sequences. Whether it did any of that."""
         eng = self.engine
         with self.cond:
             for r in [r for r in self.waiting if r.cancelled]:
@@ -364,6 +375,7 @@ class Scheduler:
         with self.cond:
             self._gauges()
         self._cache_metrics(live)
+        return bool(spent or live.any())
 
     def _admit(self) -> bool:
         """Give the head of the queue the lowest free slot, as its prefill starts
@@ -379,6 +391,15 @@ class Scheduler:
             need = self.pages_needed(r) - shared
             if eng.cache_cfg is not None and self.reserved() + need > eng.pool_available():
                 eng.drop_hold(slot)
+                if not self.running():  # nothing will free pages: only pins hold them
+                    self.waiting.popleft()
+                    r.sink(Finish("error", len(r.ids), 0, (
+                        f"{len(r.ids)} prompt tokens + max_tokens={r.max_tokens} need {need} "
+                        f"cold KV pool pages; {eng.pool_available()} of {self.pool_pages} are "
+                        f"not pinned by prewarmed contexts (DELETE /v1/prewarm/ID frees "
+                        f"theirs): lower max_tokens or the prompt"), code="kv_pool_too_small"))
+                    self._count_finish("error")
+                    self._gauges()
                 return False
             self.waiting.popleft()
             self.slots[slot] = _Seq(r, TextStream(self.tokenizer, r.stops, r.eos), shared=shared)
