@@ -223,6 +223,12 @@ def test_export_round_trip_is_bit_identical(model, tmp_path):
     assert t1 == t2
     assert tok2.chat_ids([{"role": "user", "content": FRANCE}]) == ids
     assert tok2.eos_ids == tok.eos_ids
+    # the tokenizer alone (`bench serve`'s), from the GGUF and from the export
+    for alone in (registry.load_tokenizer("smollm2-135m"),
+                  registry.load_tokenizer(str(tmp_path / "hf"))):
+        assert alone.chat_ids([{"role": "user", "content": FRANCE}]) == ids
+        assert alone.eos_ids == tok.eos_ids and alone.vocab_size == tok.vocab_size
+    assert registry.load_tokenizer("llama3-8b-shapes") is None
 
 
 def test_sampling_params_through_engine(model, hisparse):

@@ -156,6 +156,19 @@ def read_config(f: _File) -> LlamaConfig:
         eos_id=f.get("tokenizer.ggml.eos_token_id", None))
 
 
+def _tokenizer(f: _File, path: str) -> Tokenizer | None:
+    # No tokenizer in the file: the model loads without one, as an HF folder
+    # without tokenizer.json does (prompts are then token ids).
+    if f.get("tokenizer.ggml.model", None) in (None, "none", "no_vocab"):
+        return None
+    return Tokenizer.from_gguf_fields(f.get, where=path)
+
+
+def read_tokenizer(path: str) -> Tokenizer | None:
+    """The file's tokenizer alone, no weight dequantized."""
+    return _tokenizer(_File(path), path)
+
+
 def load_gguf(path: str, *, tokenizer: bool = True):
     """(LlamaConfig, weights in `llama.weight_shapes` layout (bf16 numpy), Tokenizer
     or None)."""
@@ -188,11 +201,7 @@ def load_gguf(path: str, *, tokenizer: bool = True):
         raise ValueError(f"{path}: tensor {unused[0]} is not a weight this loader supports "
                          f"for architecture {f.get('general.architecture')!r} ({len(unused)} "
                          "unused in all)")
-    # No tokenizer in the file: the model loads without one, as an HF folder
-    # without tokenizer.json does (prompts are then token ids).
-    tok = None
-    if tokenizer and f.get("tokenizer.ggml.model", None) not in (None, "none", "no_vocab"):
-        tok = Tokenizer.from_gguf_fields(f.get, where=path)
+    tok = _tokenizer(f, path) if tokenizer else None
     if tok is not None and tok.vocab_size != cfg.vocab_size:
         raise ValueError(f"{path}: tokenizer has {tok.vocab_size} tokens, the embedding "
                          f"{cfg.vocab_size} rows")

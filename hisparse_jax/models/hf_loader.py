@@ -131,13 +131,7 @@ def load_hf(path: str, *, tokenizer: bool = True):
     from safetensors.numpy import load_file
 
     bf16 = ml_dtypes.bfloat16
-    where = os.path.join(path, "config.json")
-    try:
-        with open(where, encoding="utf-8") as f:
-            hf_cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: cannot read ({e})") from None
-    cfg = config_from_hf(hf_cfg, where)
+    hf_cfg, cfg = _read_config(path)
     tensors, file_of = {}, {}
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -172,17 +166,36 @@ def load_hf(path: str, *, tokenizer: bool = True):
     if not cfg.tie_embeddings:
         weights["lm_head"] = take(HF_NAMES["lm_head"])
     _check_unused(tensors, used, file_of, cfg)
-    tok = None
-    if tokenizer and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        eos = hf_cfg.get("eos_token_id")
-        tok = Tokenizer.from_hf_dir(path, eos_ids=tuple(eos if isinstance(eos, list)
-                                                        else [eos] if eos is not None else []))
-        # Fewer tokens than embedding rows is common (HF pads the vocabulary); more
-        # would index past the embedding.
-        if tok.vocab_size > cfg.vocab_size:
-            raise ValueError(f"{path}: tokenizer.json has {tok.vocab_size} tokens, the "
-                             f"embedding {cfg.vocab_size} rows")
+    tok = _tokenizer(path, hf_cfg) if tokenizer else None
+    # Fewer tokens than embedding rows is common (HF pads the vocabulary); more
+    # would index past the embedding.
+    if tok is not None and tok.vocab_size > cfg.vocab_size:
+        raise ValueError(f"{path}: tokenizer.json has {tok.vocab_size} tokens, the "
+                         f"embedding {cfg.vocab_size} rows")
     return cfg, weights, tok
+
+
+def _read_config(path: str) -> tuple[dict, LlamaConfig]:
+    where = os.path.join(path, "config.json")
+    try:
+        with open(where, encoding="utf-8") as f:
+            hf_cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: cannot read ({e})") from None
+    return hf_cfg, config_from_hf(hf_cfg, where)
+
+
+def read_tokenizer(path: str) -> Tokenizer | None:
+    """The folder's tokenizer alone, no weight read."""
+    return _tokenizer(path, _read_config(path)[0])
+
+
+def _tokenizer(path: str, hf_cfg: dict) -> Tokenizer | None:
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    eos = hf_cfg.get("eos_token_id")
+    return Tokenizer.from_hf_dir(path, eos_ids=tuple(eos if isinstance(eos, list)
+                                                     else [eos] if eos is not None else []))
 
 
 def _check_unused(tensors: dict, used: set, file_of: dict, cfg: LlamaConfig):

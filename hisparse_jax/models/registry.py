@@ -189,6 +189,19 @@ def load(model: str, *, num_layers: int | None = None, seed: int = 0,
     return Llama(_with_overrides(cfg, overrides), weights), tok
 
 
+def load_tokenizer(model: str):
+    """`model`'s Tokenizer, or None, without its weights (what a client such as
+    `bench serve` needs). Registered GGUFs are fetched."""
+    src = resolve(model)
+    if src.kind == "random":
+        return None
+    if src.kind == "gguf":
+        from hisparse_jax.models.gguf_loader import read_tokenizer
+    else:
+        from hisparse_jax.models.hf_loader import read_tokenizer
+    return read_tokenizer(str(src.path))
+
+
 def _with_overrides(cfg, overrides: dict):
     scaling = overrides.get("rope_scaling")
     if isinstance(scaling, str):

@@ -323,8 +323,8 @@ def main_bench_serve(args):
         args.num_prompts = 100
     tokenizer = None
     if args.tokenizer != "none":
-        from hisparse_jax.models.registry import load
-        tokenizer = load(args.tokenizer)[1]
+        from hisparse_jax.models.registry import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)  # the weights are the server's
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model
     if model is None:
