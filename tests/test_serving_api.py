@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import threading
 import time
@@ -87,6 +88,7 @@ def test_start_logs_capacity_models_and_lineage(server, client):
     lin = models.data[0].model_extra["lineage"]
     assert re.fullmatch(r"[0-9a-f]{64}", lin["model_sha256"])
     assert set(lin) == {"model_sha256", "cache_config_sha256", "package_version", "git_commit"}
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", lin["git_commit"])  # a git checkout here
     r = httpx.get(server["url"] + "/health")
     assert r.headers["x-hisparse-lineage"].startswith(
         f"model={MODEL};model_sha256={lin['model_sha256']};")
@@ -811,7 +813,7 @@ def test_bench_serve_counts_a_stream_that_failed_as_failed(fault_server, tmp_pat
     lines = [{"prompt": FRANCE, "max_tokens": 6, "ignore_eos": True},
              {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True,
               "fault_nan_kv_after": 3}]
-    path = tmp_path / "replay.jsonl"
+    path = tmp_path / "replay lines.jsonl"  # a space: the row's command quotes it
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     main(["bench", "serve", "--base-url", fault_server["url"], "--tokenizer", "none",
           "--dataset", "replay", "--dataset-path", str(path), "--warmup", "0",
@@ -819,6 +821,7 @@ def test_bench_serve_counts_a_stream_that_failed_as_failed(fault_server, tmp_pat
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["requests"] == 2 and row["completed"] == 1 and row["failed"] == 1, row
     assert row["output_tokens"] == 6 and any("non-finite" in e for e in row["errors"])
+    assert str(path) in shlex.split(row["command"])  # the command runs again as written
 
 
 def test_fault_injection_is_off_by_default(server):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from hisparse_jax.cli import commands
@@ -163,7 +164,7 @@ def main(argv=None):
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # named by the command they were given to, not by the top level
         fail(_prog(args), f"unrecognized arguments: {' '.join(unknown)}")
-    args.command_line = " ".join(["hisparse", *argv])
+    args.command_line = shlex.join(["hisparse", *argv])  # runs again as written
     if args.command != "bench":  # its rows report compile seconds: compiled, not loaded
         use_compile_cache()
     try:

@@ -246,11 +246,17 @@ def lineage(engine, model_path: pathlib.Path | None) -> dict:
     except PackageNotFoundError:
         pkg = "unknown"
     here = pathlib.Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"],
-                                check=False, capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        commit = ""
+
+    def git(*argv) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(here), *argv], check=False,
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"  # local changes (git describe's mark): the commit alone is not the code
     return {"model_sha256": model_sha,
             "cache_config_sha256": hashlib.sha256(cache.encode()).hexdigest()[:16],
             "package_version": pkg, "git_commit": commit or "unknown"}
