@@ -1,5 +1,5 @@
 # Two entry points: `make demo` (the main job) and `make test` (the whole suite: the
-# main suite in .venv, then the vLLM bridge's suite in .venv-vllm).
+# main suite in .venv and, beside it, the vLLM bridge's suite in .venv-vllm).
 # .venv: Python 3.12 (jax 0.11 needs >= 3.12), built on first use.
 # .venv-vllm: Python 3.11, vLLM's CPU build, torch (CPU), jax 0.10.2 and hisparse
 # editable, built on first use by bridge/setup_env.sh (docs/vllm.md).
@@ -48,12 +48,21 @@ test-main: $(VENV)/.installed
 test-bridge: $(VENV)/.installed $(VENV_VLLM)/.installed
 	$(TEST_BRIDGE)
 
-# Both envs are built first (a missing Python fails at once), then both suites run,
-# the second even when the first fails; `make test` fails if either does.
+# Both envs are built first (a missing Python fails at once), then both suites run
+# side by side: the bridge suite is one process that keeps about one core busy (its
+# vLLM engines start up on one), the main suite's two workers about 1.8 of two, so
+# together they take about the compute of both, not the sum of their times. The
+# bridge's output, kept in a file, follows the main suite's; `make test` fails if
+# either suite does.
+# (A background job of a non-interactive shell ignores SIGINT: the trap stops it.)
 test: $(VENV)/.installed $(VENV_VLLM)/.installed
-	@failed=""; \
+	@failed=""; log=$$(mktemp); \
+	echo "$(TEST_BRIDGE) (beside the main suite; its output follows)"; \
+	$(TEST_BRIDGE) > $$log 2>&1 & bridge=$$!; \
+	trap 'kill $$bridge 2>/dev/null; rm -f $$log; exit 130' INT TERM; \
 	echo "$(TEST_MAIN)"; $(TEST_MAIN) || failed="$$failed main"; \
-	echo "$(TEST_BRIDGE)"; $(TEST_BRIDGE) || failed="$$failed bridge"; \
+	wait $$bridge || failed="$$failed bridge"; \
+	echo "---- the bridge suite:"; cat $$log; rm -f $$log; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED suite(s):$$failed"; exit 1; fi; \
 	echo "make test: main and bridge suites passed"
 

@@ -163,6 +163,8 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out != plain
     main(["fetch", "smollm2-135m"])
     assert capsys.readouterr().out.strip() == str(registry.model_path("smollm2-135m"))
+    long_file = tmp_path / "long.txt"
+    long_file.write_text("The grass is green. " * 300)
     for argv, msg in [(["generate", "--prompt", "a", "--prompt-file", "f"], "give exactly one of"),
                       (["generate", "--prompt-file", str(tmp_path / "none.txt")],
                        "--prompt-file .*none.txt: No such file"),
@@ -172,10 +174,10 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
                       (["generate", "--prompt", "a", "--max-context", "16384"],
                        "--max-context 16384: past the model's 8192 tokens; extend them"),
                       (["generate", "--prompt", ""], "--prompt: the prompt is empty"),
-                      (["generate", "--prompt-file", "/usr/share/common-licenses/GPL-3",
-                        "--max-context", "1024"],
-                       "--prompt-file .*GPL-3: [0-9]+ tokens do not fit the max context of 1024"),
-                      (["demo", "--tokens", "9000"], "--tokens 9000: past the model's 8192")]:
+                      (["generate", "--prompt-file", str(long_file), "--max-context", "1024"],
+                       "--prompt-file .*long.txt: [0-9]+ tokens do not fit the max context"),
+                      (["demo", "--tokens", "8200"],  # 8,191 prompt tokens: the answer's 8
+                       "--tokens 8200: the 81[0-9]{2}-token prompt and its 8-token answer pass")]:
         assert re.search(f"^hisparse {argv[0]}: error: {msg}", cli_error(capsys, argv))
     main(["export", "--model", "smollm2-135m", "--format", "hf", str(tmp_path / "hf")])
     assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
@@ -223,9 +225,15 @@ def test_export_round_trip_is_bit_identical(model, tmp_path):
     assert t1 == t2
     assert tok2.chat_ids([{"role": "user", "content": FRANCE}]) == ids
     assert tok2.eos_ids == tok.eos_ids
-    # the tokenizer alone (`bench serve`'s), from the GGUF and from the export
+    # the tokenizer alone (`bench serve`'s), from the GGUF, the export, and a folder
+    # of the export's tokenizer files only (another server's model needs no weights)
+    only = tmp_path / "tokenizer-only"
+    only.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (only / name).write_bytes((tmp_path / "hf" / name).read_bytes())
     for alone in (registry.load_tokenizer("smollm2-135m"),
-                  registry.load_tokenizer(str(tmp_path / "hf"))):
+                  registry.load_tokenizer(str(tmp_path / "hf")),
+                  registry.load_tokenizer(str(only))):
         assert alone.chat_ids([{"role": "user", "content": FRANCE}]) == ids
         assert alone.eos_ids == tok.eos_ids and alone.vocab_size == tok.vocab_size
     assert registry.load_tokenizer("llama3-8b-shapes") is None

@@ -88,7 +88,7 @@ def test_start_logs_capacity_models_and_lineage(server, client):
     lin = models.data[0].model_extra["lineage"]
     assert re.fullmatch(r"[0-9a-f]{64}", lin["model_sha256"])
     assert set(lin) == {"model_sha256", "cache_config_sha256", "package_version", "git_commit"}
-    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", lin["git_commit"])  # a git checkout here
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", lin["git_commit"])
     r = httpx.get(server["url"] + "/health")
     assert r.headers["x-hisparse-lineage"].startswith(
         f"model={MODEL};model_sha256={lin['model_sha256']};")
@@ -396,7 +396,8 @@ def test_prewarm_skips_the_documents_prefill(server, tok):
 
 LOAD_CLIENTS = 64
 LOAD_ISSUE_S = 20     # clients start new requests for this long ...
-LOAD_DRAIN_S = 130    # ... and every issued one must be answered within this after (it takes ~80)
+LOAD_DRAIN_S = 200    # ... and every issued one must be answered within this after (~80 s
+#                       alone, more beside the bridge suite, which `make test` runs alongside)
 LOAD_MAX_REQUESTS = 256  # and at most this many requests in all (4 per client)
 DOC = "The grass is green. The sky is blue. The sun is yellow. Water is wet. "
 
@@ -644,12 +645,17 @@ def test_recorded_traffic_replays(server, capsys):
 def test_queue_full_answers_503_with_retry_after(server):
     """4 slots and 12 waiting: of 24 requests sent at once, some are turned away
     at once with 503 and Retry-After; the accepted ones all complete."""
-    body = {"prompt": FRANCE, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": FRANCE + " (queued)", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         rs = list(pool.map(lambda _: _post(server, "/v1/completions", body), range(24),
                            timeout=300))
     codes = sorted(r.status_code for r in rs)
     assert set(codes) == {200, 503} and codes.count(200) >= 16, codes
+    # --record-traffic wrote the accepted ones only (it wrote all 24 before)
+    traffic = server["log"].with_name("traffic.jsonl").read_text().splitlines()
+    assert sum(json.loads(x).get("prompt") == body["prompt"] for x in traffic) == \
+        codes.count(200)
     busy = next(r for r in rs if r.status_code == 503)
     assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "overloaded"
     assert all(r.json()["usage"]["completion_tokens"] == 4 for r in rs if r.status_code == 200)

@@ -96,7 +96,7 @@ def test_offload_needs_hisparse():
         ServeConfig(offload=True, offload_policy="fifo")
     with pytest.raises(ValueError, match="offload_policy: only with offload"):
         ServeConfig(offload_policy="lru")
-    with pytest.raises(ValueError, match="implementation='triton': choose from pallas, xla"):
+    with pytest.raises(ValueError, match="implementation='triton': choose from xla, pallas, cpu"):
         ServeConfig(implementation="triton")
 
 

@@ -79,12 +79,13 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     model, tok = load(model_name)
     if tok is None:
         raise ValueError(f"{model_name}: the demo needs a model with a tokenizer")
-    if tokens > model.cfg.max_position:
-        raise ValueError(f"--tokens {tokens}: past the model's {model.cfg.max_position} "
-                         "tokens (the demo runs no RoPE scaling)")
     key = int(np.random.default_rng().integers(10000, 100000)) if key is None else key
     ids = passkey_ids(tok, tokens, depth, key)
     n = len(ids)
+    if n + ANSWER_TOKENS > model.cfg.max_position:
+        raise ValueError(f"--tokens {tokens}: the {n}-token prompt and its {ANSWER_TOKENS}-"
+                         f"token answer pass the model's {model.cfg.max_position} positions "
+                         "(the demo runs no RoPE scaling)")
     budget = max(64, n // 16 // 16 * 16) if budget_tokens is None else budget_tokens
     context = -(-(n + ANSWER_TOKENS + 1) // 256) * 256
     log(f"[2/5] a {n}-token passkey prompt, key {key} at depth {depth}; compiling the "

@@ -56,7 +56,6 @@ class _File:
     def __init__(self, path: str):
         import gguf
         self.path = path
-        self.used = set()  # tensors read: any other is a weight the model lacks
         try:
             with open(path, "rb") as fh:
                 magic = fh.read(4)
@@ -94,7 +93,6 @@ class _File:
             if required:
                 raise ValueError(f"{self.path}: GGUF lacks tensor {name}")
             return None
-        self.used.add(name)
         kind = t.tensor_type.name
         if kind not in TENSOR_TYPES:
             raise ValueError(f"{self.path}: tensor {name} has unsupported type {kind} "
@@ -179,12 +177,25 @@ def load_gguf(path: str, *, tokenizer: bool = True):
     permuted = ARCHITECTURES[f.get("general.architecture")][0]
     heads = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads,
              "bk": cfg.num_kv_heads}
+    layer_tensors = {g: name for g, name in LAYER_TENSORS.items()
+                     if cfg.qkv_bias or not name.startswith("b")}
+    # What the file must not hold, and its tokenizer, before minutes of dequantizing
+    wanted = {f"blk.{i}.{g}" for g in layer_tensors for i in range(cfg.num_layers)}
+    wanted |= {"token_embd.weight", "output_norm.weight"}
+    wanted |= set() if cfg.tie_embeddings else {"output.weight"}
+    unused = [name for name in f.tensors if name not in wanted]
+    if unused:  # e.g. attn_q.bias on a llama file: loading without it gives wrong logits
+        raise ValueError(f"{path}: tensor {unused[0]} is not a weight this loader supports "
+                         f"for architecture {f.get('general.architecture')!r} ({len(unused)} "
+                         "unused in all)")
+    tok = _tokenizer(f, path) if tokenizer else None
+    if tok is not None and tok.vocab_size != cfg.vocab_size:
+        raise ValueError(f"{path}: tokenizer has {tok.vocab_size} tokens, the embedding "
+                         f"{cfg.vocab_size} rows")
     layers = {}
-    progress = tqdm(LAYER_TENSORS.items(), desc=f"dequantizing {os.path.basename(path)}",
+    progress = tqdm(layer_tensors.items(), desc=f"dequantizing {os.path.basename(path)}",
                     disable=not sys.stderr.isatty(), leave=False)
     for gguf_name, name in progress:
-        if name.startswith("b") and not cfg.qkv_bias:
-            continue
         rows = []
         for i in range(cfg.num_layers):
             w = f.tensor(f"blk.{i}.{gguf_name}")
@@ -196,13 +207,4 @@ def load_gguf(path: str, *, tokenizer: bool = True):
                "norm": f.tensor("output_norm.weight").astype(bf16), "layers": layers}
     if not cfg.tie_embeddings:
         weights["lm_head"] = f.tensor("output.weight").T.astype(bf16)
-    unused = [name for name in f.tensors if name not in f.used]
-    if unused:  # e.g. attn_q.bias on a llama file: loading without it gives wrong logits
-        raise ValueError(f"{path}: tensor {unused[0]} is not a weight this loader supports "
-                         f"for architecture {f.get('general.architecture')!r} ({len(unused)} "
-                         "unused in all)")
-    tok = _tokenizer(f, path) if tokenizer else None
-    if tok is not None and tok.vocab_size != cfg.vocab_size:
-        raise ValueError(f"{path}: tokenizer has {tok.vocab_size} tokens, the embedding "
-                         f"{cfg.vocab_size} rows")
     return cfg, weights, tok

@@ -131,7 +131,13 @@ def load_hf(path: str, *, tokenizer: bool = True):
     from safetensors.numpy import load_file
 
     bf16 = ml_dtypes.bfloat16
-    hf_cfg, cfg = _read_config(path)
+    where = os.path.join(path, "config.json")
+    try:
+        with open(where, encoding="utf-8") as f:
+            hf_cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: cannot read ({e})") from None
+    cfg = config_from_hf(hf_cfg, where)
     tensors, file_of = {}, {}
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -175,19 +181,15 @@ def load_hf(path: str, *, tokenizer: bool = True):
     return cfg, weights, tok
 
 
-def _read_config(path: str) -> tuple[dict, LlamaConfig]:
-    where = os.path.join(path, "config.json")
-    try:
-        with open(where, encoding="utf-8") as f:
-            hf_cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: cannot read ({e})") from None
-    return hf_cfg, config_from_hf(hf_cfg, where)
-
-
 def read_tokenizer(path: str) -> Tokenizer | None:
-    """The folder's tokenizer alone, no weight read."""
-    return _tokenizer(path, _read_config(path)[0])
+    """The folder's tokenizer alone: tokenizer.json, the template and config.json's
+    eos_token_id (if there is one), whatever the model; no weight read."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            hf_cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        hf_cfg = {}
+    return _tokenizer(path, hf_cfg if isinstance(hf_cfg, dict) else {})
 
 
 def _tokenizer(path: str, hf_cfg: dict) -> Tokenizer | None:

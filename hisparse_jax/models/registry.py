@@ -191,7 +191,12 @@ def load(model: str, *, num_layers: int | None = None, seed: int = 0,
 
 def load_tokenizer(model: str):
     """`model`'s Tokenizer, or None, without its weights (what a client such as
-    `bench serve` needs). Registered GGUFs are fetched."""
+    `bench serve` needs): also a folder with only tokenizer.json, of any model.
+    Registered GGUFs are fetched."""
+    folder = pathlib.Path(model).expanduser()
+    if (folder / "tokenizer.json").is_file():
+        from hisparse_jax.models.hf_loader import read_tokenizer
+        return read_tokenizer(str(folder))
     src = resolve(model)
     if src.kind == "random":
         return None

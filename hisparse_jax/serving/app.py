@@ -22,7 +22,6 @@ import pathlib
 import random
 import subprocess
 import time
-import traceback
 import uuid
 from typing import Any, Literal
 
@@ -34,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hisparse_jax.config import IMPLEMENTATIONS
+from hisparse_jax.config import IMPLEMENTATIONS, resolve_implementation
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.scheduler import POLICIES
@@ -178,10 +177,12 @@ NOT_IMPLEMENTED = {"repetition_penalty": (1,), "best_of": (1,), "suffix": ("",),
                    "tools": ([],), "response_format": ({"type": "text"},)}
 
 
-# Not in --record-traffic's lines: how the answer travels, or not the client's own
-# (the prompt and max_tokens are written as the server took them).
+# Not in --record-traffic's lines: how the answer travels, what is not the client's
+# own (the prompt and max_tokens are written as the server took them: a prewarmed
+# document's ids before the prompt's), and the NOT_IMPLEMENTED fields, which change
+# nothing here and which other servers refuse (llama.cpp: best_of, suffix).
 UNRECORDED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
-              "stream_options", "fault_nan_kv_after"}
+              "stream_options", "context_id", "fault_nan_kv_after", *NOT_IMPLEMENTED}
 
 
 class CompletionRequest(_Common):
@@ -236,8 +237,10 @@ def lineage(engine, model_path: pathlib.Path | None) -> dict:
         for f in sorted(model_path.glob("*.safetensors")):
             h.update(sha256(f).encode())
         model_sha = h.hexdigest()
-    cache = (engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg,
-             engine.implementation)
+    kernels = (None if engine.cache_cfg is None else  # as run: None resolves per host
+               resolve_implementation(engine.implementation, engine.cache_cfg))
+    cache = (engine.attention, engine.max_seqs, engine.max_context, engine.cache_cfg, kernels,
+             engine.prefill_implementation, engine.product_implementation)
     if engine.offload:  # the same answers, but another set-up: say which
         cache += ("offload", engine.working_set, engine.cold.sched.policy)
     cache = repr(cache)
@@ -364,9 +367,10 @@ def build_app(st: State) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def on_bug(request, e: Exception):
-        log.error("request failed: %s", "".join(traceback.format_exception(e)))
-        return APIError(500, f"internal error: {type(e).__name__}: {e}",
-                        type="server_error").response()
+        # Starlette's outermost middleware answers with this, then re-raises for
+        # uvicorn to log the traceback; LineageHeader is inside it, so add the header
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                        headers={"x-hisparse-lineage": header}).response()
 
     def auth(request: HTTPRequest):
         key = st.cfg.api_key
@@ -509,6 +513,8 @@ def build_app(st: State) -> FastAPI:
     def traffic(ms: Served, r: _Common, reqs: list[Request], **prompt) -> dict:
         """--record-traffic's line for a request: what the client set (sampling,
         stop, n, context_id, ...), the prompt, and the max_tokens it got."""
+        if r.context_id is not None:  # the document's ids too: a replay has no prewarm
+            prompt = {"prompt": reqs[0].ids}
         return {**r.model_dump(exclude_none=True, exclude_defaults=True, exclude=UNRECORDED),
                 "model": ms.name, **prompt, "max_tokens": reqs[0].max_tokens}
 
@@ -627,7 +633,10 @@ def build_app(st: State) -> FastAPI:
                 for taken in reqs[:k]:
                     ms.scheduler.cancel(taken)
                 raise
-        st.record(record)
+        try:
+            st.record(record)
+        except OSError as e:  # the answer matters more than its record
+            log.warning("--record-traffic %s: %s", st.cfg.record_traffic, e)
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         chat = kind == "chat.completion"

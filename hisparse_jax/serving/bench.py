@@ -95,11 +95,12 @@ class Prompts:
         for _ in range(EXACT_TRIES):
             extra = len(self.tok.encode(text)) - n
             if extra == 0:
-                break
+                return text
             ids = self.tok.encode(text, add_bos=False)
             ids = ids[:len(ids) - extra] if extra > 0 else ids + self._random(-extra)
             text = self.tok.decode(ids)
-        return text
+        raise CLIError(f"no text of exactly {n} tokens after {EXACT_TRIES} re-encodings "
+                       "(--tokenizer none sends token ids)")
 
 
 def build_jobs(args, tokenizer) -> list[Job]:
