@@ -217,6 +217,8 @@ def test_serve_default_budget_is_a_16th_of_the_context(context, page, budget):
     (["serve", "--tpot-slo-ms", "nan"], "argument --tpot-slo-ms: must be a finite number"),
     (["serve", "--attention", "dense", "--kv-pool-pages", "8"],
      "kv_pool_pages: only attention='hisparse' has a page pool"),
+    (["serve", "--max-context", "16384"],  # SmolLM2 is trained to 8,192: no garbage past it
+     "--max-context 16384: past smollm2-135m's 8192 trained positions"),
     (["bench", "serve", "--slo", "latency=5"], "--slo 'latency=5': keys are ttft_ms"),
     (["bench", "serve", "--slo", "ttft_ms=-1"], "ttft_ms must be > 0"),
     (["bench", "serve", "--model", "m", "--tokenizer", "none", "--input-len", "5:2"],

@@ -42,7 +42,12 @@ def build_state(cfg):
         if name in models:
             raise ValueError(f"--model {source}: served twice as {name!r}")
         model, tok = load(source)
-        context = cfg.max_context or model.cfg.max_position
+        trained = model.cfg.max_position
+        if cfg.max_context and cfg.max_context > trained and src.kind != "random":
+            # trained weights answer garbage past it (random ones have nothing to lose)
+            raise ValueError(f"--max-context {cfg.max_context}: past {name}'s {trained} "
+                             "trained positions")
+        context = cfg.max_context or trained
         budget = (default_budget_tokens(context) if cfg.budget_tokens is None
                   else cfg.budget_tokens)
         seqs, line = plan_slots(model.cfg, context, cfg, budget)
