@@ -6,7 +6,7 @@
     stats()                # {"to_jax": n, "to_jax_copies": ..., ...}
 
 What crosses without a copy, and what does not (measured on this machine, jax
-0.10.2 and torch 2.13 CPU; tests/bridge/test_dlpack.py holds each case):
+0.10.2 and torch 2.13 CPU; tests/bridge/test_bridge_dlpack.py holds each case):
 
 - A contiguous tensor, or a permutation of one (a transpose), whose data pointer
   is 64-byte aligned: JAX wraps the same memory. Later writes to the tensor show

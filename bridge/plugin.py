@@ -21,9 +21,14 @@ CPU_BACKEND = "bridge.vllm_cpu.HiSparseCPUBackend"
 NAME = "HISPARSE"
 
 
-def cpu_override_requested(env=None) -> bool:
+def env_flag(name: str, env=None) -> bool:
+    """A HISPARSE_* switch: 1, true, yes or on (any case) turn it on."""
     env = os.environ if env is None else env
-    return env.get("HISPARSE_VLLM_CPU", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cpu_override_requested(env=None) -> bool:
+    return env_flag("HISPARSE_VLLM_CPU", env)
 
 
 def register() -> list[str]:

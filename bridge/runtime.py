@@ -1,7 +1,7 @@
 """The vLLM bridge's engine-independent half: vLLM requests -> HiSparse slots (host
 side, `SlotTable`), and one layer's HiSparse cache driven by a step's plan
 (`LayerCache`, JAX). Nothing here imports torch or vLLM, so the logic is tested
-on its own (tests/bridge/test_runtime.py) and `vllm_backend.py` only adapts.
+on its own (tests/bridge/test_bridge_runtime.py) and `vllm_backend.py` only adapts.
 
 How vLLM's requests map onto HiSparse (docs/vllm.md, "Requests and slots"):
 
@@ -56,16 +56,44 @@ class BridgeError(RuntimeError):
 
 # ---------------------------------------------------------------- configuration
 
+# HiSparseConfig fields that come from the model and vLLM's own flags, never from
+# HISPARSE_CONFIG: a max_seqs or max_context there would fail requests mid-serving.
+FROM_VLLM = ("num_kv_heads", "gqa_group", "head_dim", "page_size", "max_context", "max_seqs",
+             "num_pool_pages")
+
+
 def config_overrides(env=None) -> dict:
     """HiSparseConfig fields from the environment: HISPARSE_CONFIG (a JSON object of
-    fields) and HISPARSE_BUDGET_TOKENS (an int, or "all"), which wins."""
+    fields: the tiers, the selection, the budget) and HISPARSE_BUDGET_TOKENS (an int,
+    or "all"), which wins. A mistake is a ValueError naming the variable."""
     env = os.environ if env is None else env
     out = {}
-    if env.get("HISPARSE_CONFIG"):
-        out.update(json.loads(env["HISPARSE_CONFIG"]))
-    if env.get("HISPARSE_BUDGET_TOKENS"):
-        b = env["HISPARSE_BUDGET_TOKENS"]
-        out["budget_tokens"] = FULL_BUDGET if b == "all" else int(b)
+    text = env.get("HISPARSE_CONFIG")
+    if text:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"HISPARSE_CONFIG={text!r}: not JSON ({e})") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"HISPARSE_CONFIG={text!r}: must be a JSON object of "
+                             "HiSparseConfig fields")
+        names = {f.name for f in dataclasses.fields(HiSparseConfig)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"HISPARSE_CONFIG: {', '.join(unknown)}: not HiSparseConfig "
+                             "fields")
+        fixed = sorted(set(fields) & set(FROM_VLLM))
+        if fixed:
+            raise ValueError(f"HISPARSE_CONFIG: {', '.join(fixed)}: set by the model and "
+                             "vLLM (--max-num-seqs, --max-model-len, --block-size), not here")
+        out.update(fields)
+    b = env.get("HISPARSE_BUDGET_TOKENS", "").strip()
+    if b:
+        try:
+            out["budget_tokens"] = FULL_BUDGET if b.lower() == "all" else int(b)
+        except ValueError:
+            raise ValueError(f"HISPARSE_BUDGET_TOKENS={b!r}: an int (cold tokens per KV "
+                             "head) or 'all'") from None
     return out
 
 

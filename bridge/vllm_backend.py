@@ -47,6 +47,7 @@ from vllm.v1.attention.backend import (
 
 from bridge import dlpack
 from bridge import runtime as rt
+from bridge.plugin import env_flag
 
 # vLLM's own logger tree, so the capacity line shows wherever vLLM's log lines go
 # (vllm serve, LLM(...)); the engine-independent runtime logs to "hisparse.bridge".
@@ -81,7 +82,7 @@ class _Bridge:
             self.base = cfg
             # HISPARSE_EXACT=1: a debugging reference that keeps every request's exact
             # K/V staged and never decodes sparsely (no capacity gain).
-            self.slots = rt.SlotTable(cfg, exact=os.environ.get("HISPARSE_EXACT") == "1")
+            self.slots = rt.SlotTable(cfg, exact=env_flag("HISPARSE_EXACT"))
         elif cfg != self.base:
             raise ValueError(f"HiSparse bridge: layers with different shapes ({cfg} vs "
                              f"{self.base}) are not supported")
@@ -96,7 +97,7 @@ class _Bridge:
             raise ValueError(f"HiSparse bridge: kernel block size {block_size} != the "
                              f"page size {self.base.page_size} (use --block-size "
                              f"{self.base.page_size})")
-        if not self.freed_vllm_kv and os.environ.get("HISPARSE_KEEP_VLLM_KV") != "1":
+        if not self.freed_vllm_kv and not env_flag("HISPARSE_KEEP_VLLM_KV"):
             # vLLM's buffer (one allocation behind every layer's view) is never read:
             # give its memory back before JAX allocates the HiSparse pools.
             kv_cache.untyped_storage().resize_(0)
@@ -107,8 +108,13 @@ class _Bridge:
         self.log_capacity(int(num_blocks))
         # Exact prefill: the impl's kernel (vLLM's own on the CPU), or torch's SDPA,
         # or JAX's (HISPARSE_PREFILL=jax|torch picks one for comparisons).
-        exact = {"jax": rt.jax_exact_attention, "torch": torch_exact_attention}.get(
-            os.environ.get("HISPARSE_PREFILL", ""), impl.exact_attention)
+        prefills = {"": impl.exact_attention, "jax": rt.jax_exact_attention,
+                    "torch": torch_exact_attention}
+        choice = os.environ.get("HISPARSE_PREFILL", "").strip().lower()
+        if choice not in prefills:
+            raise ValueError(f"HISPARSE_PREFILL={choice!r}: jax, torch, or unset (the "
+                             "impl's own kernel)")
+        exact = prefills[choice]
         lc = self.layers[name] = rt.LayerCache(cfg, impl.scale, exact_attention=exact)
         return lc
 
@@ -213,6 +219,13 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
         if vllm_config.speculative_config is not None:
             raise ValueError("the HiSparse bridge does not support speculative decoding")
         mc = vllm_config.model_config
+        if getattr(mc, "is_hybrid", False):  # freeing vLLM's buffer would free their state
+            raise ValueError("the HiSparse bridge does not support hybrid models (attention "
+                             "with Mamba or linear-attention layers)")
+        if kv_cache_spec.head_size != getattr(kv_cache_spec, "head_size_v",
+                                              kv_cache_spec.head_size):
+            raise ValueError(f"the HiSparse bridge needs the value head size equal to the "
+                             f"key's ({kv_cache_spec.head_size_v} != {kv_cache_spec.head_size})")
         BRIDGE.configure(
             num_kv_heads=kv_cache_spec.num_kv_heads,
             num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),

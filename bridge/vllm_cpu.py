@@ -88,6 +88,9 @@ class HiSparseCPUBuilder(HiSparseMetadataBuilder):
 class HiSparseCPUBackend(CPUAttentionBackend):
     forward_includes_kv_cache_update: bool = True
     supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16"]
+    # not CPU_ATTN's float32: vLLM views the byte pool in the model dtype, and HiSparse's
+    # bytes per token are rounded to 2 (`runtime.vllm_content_bytes`), not to 4
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
 
     @staticmethod
     def get_name() -> str:

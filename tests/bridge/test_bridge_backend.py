@@ -12,6 +12,7 @@ so the engine config is a stand-in with the fields the builder reads)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import numpy as np
@@ -219,6 +220,29 @@ def test_builder_refuses_prefix_caching(request, bridge):
                                                                   enable_prefix_caching=True))
     with pytest.raises(ValueError, match="prefix caching"):
         vb.HiSparseMetadataBuilder(SPEC, ["l0"], vc, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ("hybrid", "hybrid models"),  # freeing vLLM's buffer would free their layers' state
+    ("head_size_v", "value head size equal to the key's"),
+])
+def test_builder_refuses_models_it_would_serve_wrong(bridge, change, message):
+    vc, spec = fake_config(), SPEC
+    if change == "hybrid":
+        vc.model_config.is_hybrid = True
+    else:
+        spec = dataclasses.replace(SPEC, head_size_v=D // 2)
+    with pytest.raises(ValueError, match=message):
+        vb.HiSparseMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
+
+
+def test_cpu_backend_takes_only_16_bit_models():
+    """vLLM views the byte pool in the model dtype, and HiSparse's bytes per token are
+    even, not a multiple of 4: float32 is refused by vLLM's own check, not by a torch
+    view error mid-start."""
+    from bridge.vllm_cpu import HiSparseCPUBackend
+    assert HiSparseCPUBackend.supports_dtype(torch.bfloat16)
+    assert not HiSparseCPUBackend.supports_dtype(torch.float32)
 
 
 def test_plugin_registers_through_vllms_loader():

@@ -62,3 +62,7 @@ def test_cpu_flag_parsing():
     assert plugin.cpu_override_requested({"HISPARSE_VLLM_CPU": "true"})
     assert not plugin.cpu_override_requested({})
     assert not plugin.cpu_override_requested({"HISPARSE_VLLM_CPU": "0"})
+    # every switch parses alike (HISPARSE_EXACT=true was ignored: only "1" counted)
+    for on in ("1", "true", "Yes", " on "):
+        assert plugin.env_flag("HISPARSE_EXACT", {"HISPARSE_EXACT": on})
+    assert not plugin.env_flag("HISPARSE_EXACT", {"HISPARSE_EXACT": "no"})

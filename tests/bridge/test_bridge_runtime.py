@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -230,8 +232,24 @@ def test_pool_ids_follow_append_order():
                                   100 + cfg.sink_pages + np.arange(3))
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"HISPARSE_CONFIG": "{hot_tokens: 64}"}, "HISPARSE_CONFIG='{hot_tokens: 64}': not JSON"),
+    ({"HISPARSE_CONFIG": "[64]"}, "must be a JSON object of HiSparseConfig fields"),
+    ({"HISPARSE_CONFIG": '{"hot_token": 64}'}, "HISPARSE_CONFIG: hot_token: not HiSparseConfig"),
+    # the shapes are the model's and vLLM's: max_seqs here failed requests mid-serving
+    ({"HISPARSE_CONFIG": '{"max_seqs": 2, "max_context": 1024}'},
+     "HISPARSE_CONFIG: max_context, max_seqs: set by the model and vLLM"),
+    ({"HISPARSE_BUDGET_TOKENS": "1e3"}, "HISPARSE_BUDGET_TOKENS='1e3': an int"),
+    ({"HISPARSE_BUDGET_TOKENS": "lots"}, "HISPARSE_BUDGET_TOKENS='lots': an int"),
+])
+def test_a_bad_setting_is_an_error_naming_the_variable(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rt.config_overrides(env)
+
+
 def test_config_from_environment():
     assert rt.config_overrides({"HISPARSE_BUDGET_TOKENS": "all"}) == {"budget_tokens": -1}
+    assert rt.config_overrides({"HISPARSE_BUDGET_TOKENS": " ALL "}) == {"budget_tokens": -1}
     assert rt.config_overrides({"HISPARSE_CONFIG": '{"hot_tokens": 64}',
                                 "HISPARSE_BUDGET_TOKENS": "480"}) == {
         "hot_tokens": 64, "budget_tokens": 480}
