@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 
 import jax
@@ -644,7 +643,5 @@ def bench_scheduler(*, context: int = 32768, steps: int = 256, multiples=(1, 2, 
                 c = evaluate(tr, int(m * K), pol, use_prev=up, use_cand=uc)
                 rows.append({"case": f"scheduler_{kind}_{m}x", "trace": kind, "policy": name,
                              "working_set_multiple": m, "working_set_pages": int(m * K),
-                             **tr.info, **c,
-                             "command": " ".join(["hisparse"] + sys.argv[1:])
-                             if sys.argv else ""})
+                             **tr.info, **c})
     return rows

@@ -52,6 +52,7 @@ CASES = [
      "FACTOR >= 1, e.g. llama3:4; got 'llama3:0.5'"),
     (["generate", "--model", "llama3-8b-shapes", "--prompt", "hi"],  # before 16 GB of weights
      "--model llama3-8b-shapes: random weights and no tokenizer"),
+    (["demo", "--model", "llama3-8b-shapes"], "random weights and no tokenizer; the demo"),
     (["generate", "--prompt-file", "{latin1}"], "latin1.txt: not UTF-8 text (byte 0xe9 at offset 4)"),
     (["generate", "--prompt", "hi", "--rope-theta", "1"], "argument --rope-theta: must be > 1"),
     (["generate", "--prompt", "hi", "--presence-penalty", "-3"],

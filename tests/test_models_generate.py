@@ -307,6 +307,25 @@ def test_bench_generate_survives_a_llamacpp_that_crashes(model, monkeypatch, cap
     assert "llama.cpp failed at context 128: its process died of SIGSEGV" in err
 
 
+def test_bench_generate_table_takes_llamacpp_rows_and_budget_0(model, monkeypatch, capsys):
+    """Without --json the table prints llama.cpp's rows too (they have no HiSparse
+    fields: `implementation` was a KeyError after every engine had run), and
+    --budget-tokens 0 (sink + window) is 0, not the default a 16th of the context."""
+    from hisparse_jax.models import bench
+    monkeypatch.setattr(registry, "load", lambda name, **kw: model)
+    monkeypatch.setattr(bench, "llamacpp_available", lambda: True)
+    row = {"engine": "llamacpp", "context": 128, "batch": 1, "budget_tokens": None,
+           "rerank_multiple": None, "prefill_tok_s": 1.0, "decode_tok_s": 2.0,
+           "decode_ms_per_step": 500.0, "compile_s": 0.0, "capacity": "llama.cpp"}
+    monkeypatch.setattr(bench, "measure_llamacpp", lambda *a: dict(row))
+    main(["bench", "generate", "--context", "128", "--batch", "1", "--engines",
+          "llamacpp,hisparse", "--budget-tokens", "0", "--decode", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    cells = {line.split()[0]: line.split() for line in lines[1:]}
+    assert cells["llamacpp"][1] == "-" and cells["llamacpp"][-3] == "2.0"
+    assert cells["hisparse"][4] == "0"  # budget_tokens
+
+
 @pytest.mark.parametrize("code, want", [
     ("import sys; print('noise'); print('{\"a\": 1}')", {"a": 1}),
     ("import sys; sys.exit('llama_cpp: model file is truncated')",

@@ -103,22 +103,23 @@ def test_real_trace_small():
 
 
 def test_bench_cli_small(capsys):
-    import argparse
     import json
+    import shlex
 
-    from hisparse_jax.cli.bench_scheduler import add_scheduler_bench_parser
-    parser = argparse.ArgumentParser(prog="hisparse")
-    bsub = parser.add_subparsers(dest="bench", required=True)
-    add_scheduler_bench_parser(bsub)
-    args = parser.parse_args(["scheduler", "--context", "4096", "--steps", "24",
-                              "--traces", "retrieval", "--multiples", "2",
-                              "--max-prefetch", "8,32", "--json"])
-    rows = args.func(args)
-    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert out == json.loads(json.dumps(rows))
+    from hisparse_jax.cli import main
+    argv = ["bench", "scheduler", "--context", "4096", "--steps", "24", "--traces",
+            "retrieval, drift", "--multiples", "2", "--max-prefetch", "8,32", "--oracle",
+            "--json"]
+    main(argv)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # every row (the oracle's too) carries the command, quoted so that it runs again
+    assert all(shlex.split(r["command"]) == ["hisparse", *argv] for r in rows)
     assert {r["policy"] for r in rows} >= {"lru", "predictive", "predictive-pf8"}
     assert {r["working_set_multiple"] for r in rows} == {2}
+    assert {r["trace"] for r in rows} == {"retrieval", "drift"}
     for r in rows:
+        if r["policy"] == "belady-oracle-no-prefetch":
+            continue
         assert r["hits"] + r["misses"] == r["selected"] > 0
         assert r["h2d_bytes_per_step"] == r["fetched"] * r["host_to_device_bytes"] \
             / max(1, r["fetched"]) / 24

@@ -28,6 +28,8 @@ def main_bench_scheduler(args) -> list[dict]:
                            oracle=args.oracle, sticky_nats=args.sticky_nats,
                            multiples=tuple(args.multiples),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
+    for r in rows:  # every row, the oracle's too
+        r["command"] = args.command_line
     if args.json:
         for r in rows:
             print(json.dumps(r))

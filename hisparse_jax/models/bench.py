@@ -202,10 +202,13 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
         if why:
             log(f"llama.cpp skipped: {why}")
             engines = tuple(e for e in engines if e != "llamacpp")
+    if not engines:
+        raise ValueError("no engine left to measure (llama.cpp was skipped)")
     model, tok = load(model_name, **overrides)  # rope_theta, rope_scaling
     for context in contexts:
         ids = prompt(tok, model.cfg.vocab_size, context)
-        budget = budget_tokens or max(64, context // 16 // 16 * 16)
+        budget = (max(64, context // 16 // 16 * 16) if budget_tokens is None
+                  else budget_tokens)  # 0 is sink + window, not the default
         for batch in batches:
             for engine in engines:
                 if engine == "llamacpp":

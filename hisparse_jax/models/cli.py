@@ -184,8 +184,9 @@ def main_bench_generate(args):
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                print(" ".join(f"{'-' if row[c] is None else row[c]!s:>14}" for c in cols),
-                      flush=True)
+                # .get: llama.cpp's rows have no HiSparse fields (implementation)
+                print(" ".join(f"{'-' if row.get(c) is None else row[c]!s:>14}"
+                               for c in cols), flush=True)
     except (ValueError, OSError) as e:
         _fail("bench generate", e)
 

@@ -73,7 +73,10 @@ def _answer(engine: Engine, tok, first: int, key: int) -> dict:
 
 def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float = 0.5,
              key: int | None = None, budget_tokens: int | None = None, log=print) -> dict:
-    from hisparse_jax.models.registry import load
+    from hisparse_jax.models.registry import load, resolve
+    if resolve(model_name).kind == "random":  # before building its weights (16 GB at 8B)
+        raise ValueError(f"--model {model_name}: random weights and no tokenizer; the demo "
+                         "needs a model with one")
     t0 = time.time()
     log(f"[1/5] loading {model_name} (fetched on first use) ...")
     model, tok = load(model_name)
