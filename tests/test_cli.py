@@ -29,6 +29,9 @@ def test_eval_json(tmp_path, capsys, d, dtype):
     assert JSON_KEYS <= set(row)
     assert 0.0 < row["recall_mean"] <= 1.0 + 1e-6
     assert row["capacity_vs_bf16"] > 1.0
+    run = row["run"]  # what produced it
+    assert run["command"].startswith("hisparse eval --qkv ") and run["budget_tokens"] == 256
+    assert run["preset"] == "default" and run["implementation"] in ("xla", "cpu", "pallas")
 
 
 def test_eval_budget_all_isolates_quantization(tmp_path, capsys):

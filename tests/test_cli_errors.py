@@ -53,6 +53,10 @@ CASES = [
     (["generate", "--model", "llama3-8b-shapes", "--prompt", "hi"],  # before 16 GB of weights
      "--model llama3-8b-shapes: random weights and no tokenizer"),
     (["demo", "--model", "llama3-8b-shapes"], "random weights and no tokenizer; the demo"),
+    (["demo", "--synthetic", "--tokens", "3000"],  # it was ignored
+     "--tokens is the real-model demo's; --synthetic takes --context N"),
+    (["capacity", "--reserve", "16GB"], "--reserve 16GB: needs --device-memory"),
+    (["capacity", "--working-set", "4"], "--working-set 4: offload mode's (add --offload)"),
     (["generate", "--prompt-file", "{latin1}"], "latin1.txt: not UTF-8 text (byte 0xe9 at offset 4)"),
     (["generate", "--prompt", "hi", "--rope-theta", "1"], "argument --rope-theta: must be > 1"),
     (["generate", "--prompt", "hi", "--presence-penalty", "-3"],
@@ -108,7 +112,8 @@ CASES = [
     (["bench"], "the following arguments are required: bench"),
     (["capacity", "--device-memory", "lots"], "--device-memory lots: cannot parse size"),
     (["capacity", "--device-memory", "0"], "--device-memory 0: size must be positive"),
-    (["capacity", "--reserve", "lots"], "--reserve lots: cannot parse size"),
+    (["capacity", "--device-memory", "80GB", "--reserve", "lots"],
+     "--reserve lots: cannot parse size"),
     (["capacity", "--device-memory", "80GB", "--reserve", "90GB"], "--reserve 90GB: leaves no"),
     (["capacity", "--model", "gpt-5"], "argument --model: invalid choice: 'gpt-5'"),
     (["capacity", "--context", "lots"], "argument --context: cannot parse token count"),

@@ -53,14 +53,16 @@ def build_parser() -> Parser:
 
     d = debug_flag(sub.add_parser(
         "demo", help="a real model answers a ~7K-token passkey prompt: HiSparse vs dense"))
-    d.add_argument("--model", default="smollm2-135m", help="a name, a .gguf file or an HF folder")
-    d.add_argument("--tokens", type=int_at_least(256), default=7000, metavar="N",
+    demo = commands.DEMO_DEFAULTS
+    d.add_argument("--model", default=demo["model"], help="a name, a .gguf file or an HF folder")
+    d.add_argument("--tokens", type=int_at_least(256), default=demo["tokens"], metavar="N",
                    help="prompt length in tokens (the model's trained length is the limit)")
-    d.add_argument("--depth", type=number(0.0, below=1.0), default=0.5,
+    d.add_argument("--depth", type=number(0.0, below=1.0), default=demo["depth"],
                    help="where the key sits in the prompt, 0-1")
-    d.add_argument("--key", type=int_at_least(10000), default=None,
+    d.add_argument("--key", type=int_at_least(10000), default=demo["key"],
                    help="the 5-digit pass key (default: random)")
-    d.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
+    d.add_argument("--budget-tokens", type=budget_tokens, default=demo["budget_tokens"],
+                   metavar="N",
                    help="HiSparse cold tokens per KV head (default: a 16th of the prompt)")
     d.add_argument("--synthetic", action="store_true",
                    help="the attention-only demo on a generated context instead")

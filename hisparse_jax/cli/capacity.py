@@ -39,6 +39,9 @@ def _table(p: dict) -> str:
     return "\n".join(lines)
 
 
+WORKING_SET_DEFAULT = 2.0
+
+
 def main_capacity(args) -> dict:
     """`hisparse capacity ...`: prints a table (or JSON with --json); returns the plan."""
     def flag(name, fn, value):
@@ -48,6 +51,11 @@ def main_capacity(args) -> dict:
             raise CLIError(f"{name} {value}: {e}")
     dev = (flag("--device-memory", parse_size, args.device_memory)
            if args.device_memory is not None else None)
+    if args.reserve and dev is None:  # it is taken from the budget, which has to be given
+        raise CLIError(f"--reserve {args.reserve}: needs --device-memory (the budget it is "
+                       "taken from)")
+    if args.working_set != WORKING_SET_DEFAULT and not args.offload:
+        raise CLIError(f"--working-set {args.working_set:g}: offload mode's (add --offload)")
     reserve = flag("--reserve", parse_size, args.reserve) if args.reserve else 0
     context = parse_tokens(args.context)  # already an int from the parser
     if args.offload:
@@ -85,7 +93,7 @@ def add_capacity_parser(subparsers):
     c.add_argument("--preset", default="default", choices=sorted(PRESETS))
     c.add_argument("--offload", action="store_true",
                    help="cold int4 pages in host memory; device keeps digests + working set")
-    c.add_argument("--working-set", type=number(1.0), default=2.0,
+    c.add_argument("--working-set", type=number(1.0), default=WORKING_SET_DEFAULT,
                    help="resident cold pages per (sequence, KV head), in multiples of a "
                         "step's candidate pages, >= 1 (offload mode)")
     c.add_argument("--json", action="store_true")

@@ -102,8 +102,13 @@ def cmd_eval(args):
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise CLIError(f"--qkv {args.qkv}: the metrics {', '.join(bad[:3])}{more} are not "
                        "finite: the logits q.k/sqrt(D) overflow float32 (scale q and k down)")
-    if args.json:
-        print(json.dumps(summary, allow_nan=False))
+    if args.json:  # with what produced it: `auto` resolves per host
+        from hisparse_jax.config import resolve_implementation
+        run = {"command": args.command_line, "preset": args.preset,
+               "budget_tokens": cfg.budget_tokens, "tail_sample_pages": cfg.tail_sample_pages,
+               "rerank_multiple": cfg.rerank_multiple,
+               "implementation": resolve_implementation(implementation, cfg)}
+        print(json.dumps({**summary, "run": run}, allow_nan=False))
         return
     rows = [(key, f"{val:.4f}") for key, val in summary.items() if not isinstance(val, dict)]
     rows += [(f"oracle_recall at {b} tokens", f"{val:.4f}")
@@ -161,8 +166,18 @@ def cmd_bench_kernels(args):
     _print_table(bk.table_rows(rows), bk.TABLE_HEADERS)
 
 
+# The real-model demo's flags and defaults (cli.build_parser's), which --synthetic refuses
+DEMO_DEFAULTS = {"model": "smollm2-135m", "tokens": 7000, "depth": 0.5, "key": None,
+                 "budget_tokens": None}
+
+
 def cmd_demo(args):
     if args.synthetic:
+        real = [f for f in ("model", "tokens", "depth", "key", "budget_tokens")
+                if getattr(args, f) != DEMO_DEFAULTS[f]]
+        if real:
+            raise CLIError(f"--{real[0].replace('_', '-')} is the real-model demo's; "
+                           "--synthetic takes --context N")
         from hisparse_jax.demo import run_demo
         return run_demo(context=args.context or 131072, log=_log)
     if args.context is not None:

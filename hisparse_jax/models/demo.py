@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hisparse_jax import layout
+from hisparse_jax.config import FULL_BUDGET
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.prompts import passkey_hit, passkey_ids
 
@@ -116,7 +117,8 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     log(f"[5/5] done in {time.time() - t0:.0f} s")
 
     print(f"\n{model_name}, a {n}-token prompt; the pass key is {key} "
-          f"(depth {depth}). HiSparse attends {budget} cold tokens per KV head.\n")
+          f"(depth {depth}). HiSparse attends "
+          f"{'every' if budget == FULL_BUDGET else budget} cold tokens per KV head.\n")
     print(f"{'attention':<13}{'answer':<22}{'found':>6}{'prefill tok/s':>15}"
           f"{'decode tok/s':>14}{'KV cache (MiB)':>16}")
     for name, r in rows.items():
