@@ -56,6 +56,11 @@ CASES = [
     (["demo", "--synthetic", "--tokens", "3000"],  # it was ignored
      "--tokens is the real-model demo's; --synthetic takes --context N"),
     (["capacity", "--reserve", "16GB"], "--reserve 16GB: needs --device-memory"),
+    # interpret mode off a GPU: correctness only, hours on a real capture
+    (["eval", "--qkv", "{npz}", "--implementation", "pallas"],
+     "--implementation pallas: off a GPU the Pallas kernels run in interpret mode"),
+    (["bench", "generate", "--implementation", "pallas"],
+     "--implementation pallas: off a GPU the Pallas kernels run in interpret mode"),
     (["capacity", "--working-set", "4"], "--working-set 4: offload mode's (add --offload)"),
     (["generate", "--prompt-file", "{latin1}"], "latin1.txt: not UTF-8 text (byte 0xe9 at offset 4)"),
     (["generate", "--prompt", "hi", "--rope-theta", "1"], "argument --rope-theta: must be > 1"),

@@ -120,3 +120,12 @@ def budget_tokens(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
+
+
+def refuse_interpreted_pallas(implementations) -> None:
+    """Off a GPU the Pallas kernels run in interpret mode: for correctness tests,
+    far too slow to evaluate or time anything (`bench kernels` refuses it too)."""
+    import jax
+    if "pallas" in (implementations or ()) and jax.default_backend() != "gpu":
+        raise CLIError("--implementation pallas: off a GPU the Pallas kernels run in "
+                       "interpret mode (correctness only); use xla or cpu")

@@ -13,7 +13,7 @@ import zipfile
 
 import numpy as np
 
-from hisparse_jax.cli.args import CLIError
+from hisparse_jax.cli.args import CLIError, refuse_interpreted_pallas
 
 
 def _log(msg):
@@ -84,7 +84,8 @@ def _eval_config(args):
 
 
 def cmd_eval(args):
-    from hisparse_jax.evaluation import evaluate
+    from hisparse_jax.config import resolve_implementation
+    from hisparse_jax.evaluation import config_for, evaluate
     cfg = _eval_config(args)
     for b in args.oracle_budgets or ():
         if b % cfg.page_size:
@@ -95,6 +96,10 @@ def cmd_eval(args):
         raise CLIError(f"--heads {max(args.heads)} is not a query head (q has {q.shape[1]})")
     _log(f"evaluating {q.shape[0]} queries over {k.shape[0]} tokens ...")
     implementation = None if args.implementation == "auto" else args.implementation
+    # the kernels as they will run on this capture's shapes (a head_dim Pallas cannot
+    # hold is named here, before anything runs)
+    kernels = resolve_implementation(implementation, config_for(cfg, k, q.shape[1] // k.shape[1]))
+    refuse_interpreted_pallas([kernels])
     ev = evaluate(cfg, q, k, v, implementation=implementation, log=_log)
     summary = ev.summary(args.heads, args.oracle_budgets or ())
     bad = [key for key, val in _flat(summary) if not math.isfinite(val)]
@@ -103,11 +108,10 @@ def cmd_eval(args):
         raise CLIError(f"--qkv {args.qkv}: the metrics {', '.join(bad[:3])}{more} are not "
                        "finite: the logits q.k/sqrt(D) overflow float32 (scale q and k down)")
     if args.json:  # with what produced it: `auto` resolves per host
-        from hisparse_jax.config import resolve_implementation
         run = {"command": args.command_line, "preset": args.preset,
                "budget_tokens": cfg.budget_tokens, "tail_sample_pages": cfg.tail_sample_pages,
                "rerank_multiple": cfg.rerank_multiple,
-               "implementation": resolve_implementation(implementation, cfg)}
+               "implementation": kernels}
         print(json.dumps({**summary, "run": run}, allow_nan=False))
         return
     rows = [(key, f"{val:.4f}") for key, val in summary.items() if not isinstance(val, dict)]

@@ -21,6 +21,7 @@ from hisparse_jax.cli.args import (
     number,
     number_list,
     positive_int,
+    refuse_interpreted_pallas,
 )
 
 
@@ -169,6 +170,7 @@ def main_bench_generate(args):
                                 "of 16 (the page size)")
     if min(args.context) < 64:
         _fail("bench generate", f"--context {min(args.context)}: at least 64 tokens")
+    refuse_interpreted_pallas(args.implementation)
     cols = ("engine", "implementation", "context", "batch", "budget_tokens", "rerank_multiple",
             "prefill_tok_s",
             "decode_tok_s", "decode_ms_per_step", "compile_s")
