@@ -424,10 +424,10 @@ def _errors(op, got, ref) -> dict:
 def _split(text: str, what: str, choices) -> list[str]:
     items = [s.strip() for s in str(text).split(",") if s.strip()]
     if not items:
-        raise ValueError(f"no {what} given; choose from {', '.join(choices)}")
+        raise ValueError(f"{what}: nothing given; choose from {', '.join(choices)}")
     bad = [s for s in items if s not in choices]
     if bad:
-        raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; "
+        raise ValueError(f"{what}: unknown {', '.join(map(repr, bad))}; "
                          f"choose from {', '.join(choices)}")
     return list(dict.fromkeys(items))
 
@@ -471,9 +471,9 @@ def plan(case: str = "ci", impl: str = "pallas,xla", ops: str = ",".join(OPS), *
     speed one), so only the `ci` case may run them there.
     """
     backend = backend or jax.default_backend()
-    names = list(CASES) if str(case).strip() == "all" else _split(case, "case", list(CASES))
-    impls = _split(impl, "implementation", IMPLS)
-    op_list = _split(ops, "op", OPS)
+    names = list(CASES) if str(case).strip() == "all" else _split(case, "--case", list(CASES))
+    impls = _split(impl, "--impl", IMPLS)
+    op_list = _split(ops, "--ops", OPS)
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
     if warmup is not None and warmup < 0:

@@ -75,9 +75,9 @@ def test_json_to_stdout(capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--case", "decode_2k_b1"], "unknown case 'decode_2k_b1'; choose from ci, decode_32k_b1"),
-    (["--case", "ci", "--impl", "triton"], "unknown implementation 'triton'"),
-    (["--case", "ci", "--ops", "prefill"], "unknown op 'prefill'"),
+    (["--case", "decode_2k_b1"], "--case: unknown 'decode_2k_b1'; choose from ci, decode_32k_b1"),
+    (["--case", "ci", "--impl", "triton"], "--impl: unknown 'triton'"),
+    (["--case", "ci", "--ops", "prefill"], "--ops: unknown 'prefill'"),
     (["--case", "ci", "--iters", "0"], "argument --iters: must be >= 1"),
 ])
 def test_bad_request_is_a_clean_error(capsys, argv, msg):

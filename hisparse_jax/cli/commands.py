@@ -78,8 +78,9 @@ def _eval_config(args):
             continue
         try:
             cfg = cfg.replace(**{field: value})
-        except ValueError as e:
-            raise CLIError(f"{flag} {value}: {str(e).split(': ', 1)[-1]}")
+        except ValueError as e:  # in the flag's words: -1 is what 'all' parses to
+            why = str(e).split(': ', 1)[-1].replace("FULL_BUDGET (-1)", "'all'")
+            raise CLIError(f"{flag} {value}: {why}")
     return cfg
 
 
