@@ -219,6 +219,10 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
         if vllm_config.speculative_config is not None:
             raise ValueError("the HiSparse bridge does not support speculative decoding")
         mc = vllm_config.model_config
+        world = getattr(vllm_config.parallel_config, "world_size", 1)
+        if world > 1:  # one JAX state per layer, on one device
+            raise ValueError(f"the HiSparse bridge runs on one device, not {world} "
+                             "(tensor, pipeline or data parallelism)")
         if getattr(mc, "is_hybrid", False):  # freeing vLLM's buffer would free their state
             raise ValueError("the HiSparse bridge does not support hybrid models (attention "
                              "with Mamba or linear-attention layers)")

@@ -225,11 +225,14 @@ def test_builder_refuses_prefix_caching(request, bridge):
 @pytest.mark.parametrize("change, message", [
     ("hybrid", "hybrid models"),  # freeing vLLM's buffer would free their layers' state
     ("head_size_v", "value head size equal to the key's"),
+    ("parallel", "runs on one device, not 2"),
 ])
 def test_builder_refuses_models_it_would_serve_wrong(bridge, change, message):
     vc, spec = fake_config(), SPEC
     if change == "hybrid":
         vc.model_config.is_hybrid = True
+    elif change == "parallel":
+        vc.parallel_config = types.SimpleNamespace(world_size=2)
     else:
         spec = dataclasses.replace(SPEC, head_size_v=D // 2)
     with pytest.raises(ValueError, match=message):
