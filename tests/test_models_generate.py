@@ -237,6 +237,9 @@ def test_export_round_trip_is_bit_identical(model, tmp_path):
         assert alone.chat_ids([{"role": "user", "content": FRANCE}]) == ids
         assert alone.eos_ids == tok.eos_ids and alone.vocab_size == tok.vocab_size
     assert registry.load_tokenizer("llama3-8b-shapes") is None
+    (only / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer-only: no tokenizer.json"):
+        registry.load_tokenizer(str(only))
 
 
 def test_sampling_params_through_engine(model, hisparse):

@@ -656,20 +656,15 @@ class Engine:
         return sum(1 for e in self.prefix.entries.values()
                    if e.pages and not e.refcount and not e.pinned)
 
-    def pinned_pages(self) -> int:
-        """Pool pages (per layer) that pinned (prewarmed) documents hold."""
-        if self.prefix is None:
-            return 0
-        return sum(1 for e in self.prefix.entries.values() if e.pages and e.pinned)
-
     def prefix_stats(self) -> dict[str, int]:
         """The prefix index's counts of prompt pages looked up (hits, misses,
         collisions), and of cold pool pages per layer: evicted, held pinned, held
         cached (unused)."""
         if self.prefix is None:
             return {}
-        return {**self.prefix.stats, "evictions": self.evicted_pages,
-                "pinned_pages": self.pinned_pages(), "cached_pages": self.cached_pages()}
+        pinned = sum(1 for e in self.prefix.entries.values() if e.pages and e.pinned)
+        return {**self.prefix.stats, "evictions": self.evicted_pages, "pinned_pages": pinned,
+                "cached_pages": self.cached_pages()}
 
     def prefill(self, slot: int, ids, sampling: SamplingParams = GREEDY) -> int:
         """Empty `slot` and fill it with prompt `ids`; returns the first generated

@@ -191,19 +191,18 @@ def load(model: str, *, num_layers: int | None = None, seed: int = 0,
 
 def load_tokenizer(model: str):
     """`model`'s Tokenizer, or None, without its weights (what a client such as
-    `bench serve` needs): also a folder with only tokenizer.json, of any model.
-    Registered GGUFs are fetched."""
+    `bench serve` needs): a folder's tokenizer.json (of any model, weights or
+    not), a GGUF's fields. Registered GGUFs are fetched."""
     folder = pathlib.Path(model).expanduser()
-    if (folder / "tokenizer.json").is_file():
+    if folder.is_dir():
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{model}: no tokenizer.json")
         from hisparse_jax.models.hf_loader import read_tokenizer
         return read_tokenizer(str(folder))
     src = resolve(model)
     if src.kind == "random":
         return None
-    if src.kind == "gguf":
-        from hisparse_jax.models.gguf_loader import read_tokenizer
-    else:
-        from hisparse_jax.models.hf_loader import read_tokenizer
+    from hisparse_jax.models.gguf_loader import read_tokenizer
     return read_tokenizer(str(src.path))
 
 

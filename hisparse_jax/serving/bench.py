@@ -81,6 +81,8 @@ class Prompts:
     def __init__(self, tokenizer, rng):
         self.tok, self.rng = tokenizer, rng
         self.vocab = tokenizer.vocab_size if tokenizer is not None else 32000
+        # the BOS that encode adds (the server counts it): one encode per try, not two
+        self.bos = int(tokenizer is not None and tokenizer.add_bos and tokenizer.bos_id is not None)
 
     def _random(self, n: int) -> list[int]:
         return self.rng.integers(300, self.vocab - 300, int(n)).tolist()
@@ -93,10 +95,10 @@ class Prompts:
         # cut or extend the re-encoded ids until the text encodes to n
         text = self.tok.decode(ids)
         for _ in range(EXACT_TRIES):
-            extra = len(self.tok.encode(text)) - n
+            ids = self.tok.encode(text, add_bos=False)
+            extra = len(ids) + self.bos - n
             if extra == 0:
                 return text
-            ids = self.tok.encode(text, add_bos=False)
             ids = ids[:len(ids) - extra] if extra > 0 else ids + self._random(-extra)
             text = self.tok.decode(ids)
         raise CLIError(f"no text of exactly {n} tokens after {EXACT_TRIES} re-encodings "
