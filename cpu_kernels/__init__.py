@@ -11,10 +11,10 @@ pure-jnp reference of the same signature.
   (Intel Xeon since Sapphire Rapids), float32-exact by splitting its bf16
   operands. XLA:CPU writes out every score of its float32 blocks. Reference in
   `reference.py`.
-- `matmul.cc`: a decode step's weight products (at most 16 rows) on AMX tiles,
-  reading a layer of the model's stacked weights in place, bit-equal to XLA's
-  product. XLA:CPU copies the layer out of the stack first. Reference in
-  `reference.py`.
+- `matmul.cc`: the model's weight products (any rows; the model sends it a
+  decode step's and a short prompt's) on AMX tiles, reading a layer of the
+  model's stacked weights in place, bit-equal to XLA's product. XLA:CPU copies
+  the layer out of the stack first. Reference in `reference.py`.
 
 They are compiled with the machine's C++ compiler on first use (`build.py`) and are
 the default on a CPU (`config.resolve_implementation`, `config.resolve_prefill`,

@@ -179,13 +179,10 @@ def causal_attention(q, k, v, start, *, sm_scale=None):
         jnp.asarray(start, jnp.int32), sm_scale=np.float32(scale))
 
 
-MATMUL_MAX_ROWS = 16  # matmul.cc's kMaxRows: x's rows fill the columns of one tile
-
-
 def matmul_unsupported(rows: int, k: int, n: int) -> str | None:
     """Why `matmul` cannot take x [rows, k] and weights of n outputs (None if it can)."""
-    if not 1 <= rows <= MATMUL_MAX_ROWS:
-        return f"at most {MATMUL_MAX_ROWS} rows, got {rows}"
+    if rows < 1:
+        return f"at least 1 row, got {rows}"
     if k % 32 or n % 16:
         return f"inputs a multiple of 32 and outputs of 16, got {k} and {n}"
     return None
@@ -193,7 +190,7 @@ def matmul_unsupported(rows: int, k: int, n: int) -> str | None:
 
 def matmul(x, w, layer=None):
     """`reference.matmul` on AMX tiles (`build.amx_unavailable` says where it runs):
-    x [M, K] (M <= 16) times w [N, K], or w[layer] of stacked weights [L, N, K] read
+    x [M, K] times w [N, K], or w[layer] of stacked weights [L, N, K] read
     in place, transposed -> [M, N] float32. The same products summed in the same
     order as XLA:CPU's bf16 dot here (bit-equal in tests/test_cpu_matmul.py); each
     row's result is independent of the other rows."""

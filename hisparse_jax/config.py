@@ -75,10 +75,11 @@ def resolve_prefill(implementation, head_dim: int) -> str:
 
 
 def resolve_products(implementation) -> str:
-    """The model's weight products with few rows (a decode step's): "cpu", the AMX
-    kernel reading stacked weights in place (cpu_kernels/matmul.cc), where the AMX
-    kernels apply (`_amx_kernels`); "xla" otherwise. Products of more rows (a
-    prefill's) are XLA's either way (`models.llama.matmul`)."""
+    """The model's weight products with few rows (a decode step's, a short
+    prompt's): "cpu", the AMX kernel reading stacked weights in place
+    (cpu_kernels/matmul.cc), where the AMX kernels apply (`_amx_kernels`); "xla"
+    otherwise. Products of more rows (a long prefill's blocks) are XLA's either way
+    (`models.llama.KERNEL_MAX_ROWS`)."""
     return "cpu" if _amx_kernels(implementation) else "xla"
 
 

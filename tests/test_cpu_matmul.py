@@ -1,8 +1,10 @@
-"""The decode step's weight-product kernel (cpu_kernels/matmul.cc, AMX tiles)
-against its reference (cpu_kernels/reference.py) and XLA's product.
+"""The model's weight-product kernel (cpu_kernels/matmul.cc, AMX tiles) against
+its reference (cpu_kernels/reference.py) and XLA's product.
 
-Adversarial shapes: 1 to 16 rows, outputs that fill 1 to 4 of a unit's 16-row
-tiles (48, 80, 1040), SmolLM2's seven matrices and its 49,152-row output
+Adversarial shapes: 1 to 16 rows (a decode step's path) and 17 to 515 (the
+prefill's: a partial last group of 16, an odd number of groups, a partial block
+of four), outputs that fill 1 to 4 of a unit's 16-row tiles (48, 80, 1040; one of
+the many-row path's two), SmolLM2's seven matrices and its 49,152-row output
 projection, a layer read from a stack of several (the others hold other values,
 so reading the wrong one fails), NaN in one row, a traced layer index. Tolerance
 against the float32 reference: 1e-5 of the output's scale (the products of bf16
@@ -46,6 +48,12 @@ CASES = [
     Case(16, 80, 96, layers=2, layer=1),     # 64 + 16: a unit of one tile
     Case(5, 1040, 32, scale=1e3),            # one input chunk, large values
     Case(4, 49152, 576),                     # the tied output projection
+    Case(17, 576, 576),                      # many rows: one past a group
+    Case(64, 1536, 576, layers=3, layer=2),  # a short prompt's w_gate
+    Case(100, 576, 1536, layers=2, layer=1), # w_down, a partial last group
+    Case(33, 48, 64),                        # three groups (one unpaired), one tile and a half
+    Case(515, 80, 96, scale=1e3),            # nine blocks of 64 rows, the last of 3
+    Case(128, 192, 576, layers=30, layer=7), # wk at KERNEL_MAX_ROWS
 ]
 
 
@@ -75,13 +83,16 @@ def test_matches_the_reference_and_xla(case):
 
 
 @needs_amx
-@pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=str)
-def test_a_row_gets_the_same_result_with_any_rows(case):
+@pytest.mark.parametrize(("case", "splits"), [
+    (CASES[2], range(1, 3)), (CASES[5], range(1, 16)),
+    (Case(70, 80, 96, layers=2, layer=1), [1, 15, 16, 17, 31, 33, 64, 69])], ids=str)
+def test_a_row_gets_the_same_result_with_any_rows(case, splits):
     """Bitwise: a sequence's decode step must not depend on how many slots it
-    computes."""
+    computes, nor a prompt's row on the prompt's length (so the few-row and the
+    many-row paths agree too)."""
     x, w = make(case)
     whole = np.asarray(ops.matmul(x, w, case.layer))
-    for rows in range(1, case.rows):
+    for rows in splits:
         np.testing.assert_array_equal(np.asarray(ops.matmul(x[:rows], w, case.layer)),
                                       whole[:rows])
         np.testing.assert_array_equal(np.asarray(ops.matmul(x[rows:], w, case.layer)),
@@ -89,8 +100,8 @@ def test_a_row_gets_the_same_result_with_any_rows(case):
 
 
 @needs_amx
-def test_nan_in_one_row_stays_in_that_row():
-    case = CASES[3]
+@pytest.mark.parametrize("case", [CASES[3], CASES[10]], ids=str)
+def test_nan_in_one_row_stays_in_that_row(case):
     x, w = make(case)
     clean = np.asarray(ops.matmul(x, w, case.layer))
     got = np.asarray(ops.matmul(x.at[5, 17].set(jnp.nan), w, case.layer))
@@ -113,7 +124,7 @@ def test_in_a_jitted_scan_with_a_traced_layer():
 
 @needs_amx
 @pytest.mark.parametrize(("rows", "inputs", "outputs", "match"), [
-    (17, 576, 576, "at most 16 rows"), (0, 576, 576, "at most 16 rows"),
+    (0, 576, 576, "at least 1 row"),
     (2, 48, 576, "multiple of 32"), (2, 576, 40, "multiple of 32 and outputs of 16")])
 def test_shapes_it_cannot_take_are_refused(rows, inputs, outputs, match):
     """ops.matmul says why; the model's `matmul` runs those in XLA instead."""
@@ -149,8 +160,9 @@ def test_which_products_run(implementation, want):
 @needs_amx
 @pytest.mark.parametrize("attention", ["hisparse", "dense"])
 def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
-    """The engine's decode step runs its products on the kernel by default, and its
-    logits are bit-equal to the same engine's with XLA's products."""
+    """The engine runs its products on the kernel by default (a decode step's, a
+    64-row prefill's), and its logits are bit-equal to the same engine's with XLA's
+    products."""
     from models_fixtures import hf_weights, model_weights, tiny_config
 
     from hisparse_jax.models import engine as eng
@@ -163,13 +175,16 @@ def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
         e = eng.Engine(model, max_seqs=3, max_context=512, attention=attention, budget_tokens=64)
         assert e.product_implementation == "cpu"
         e.product_implementation = products
-        for slot in range(3):
-            e.prefill(slot, prompt[:250 + 20 * slot])
+        for slot, n in enumerate([40, 270, 290]):  # 64 rows (the kernel's), 512 (XLA's)
+            e.prefill(slot, prompt[:n])
+            logits.setdefault(products + "-prefill", []).append(np.asarray(e.logits))
         hlo = eng._decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
                                 jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
         assert ("hisparse_matmul" in hlo) == (products == "cpu")
         steps = [np.asarray(e.decode_step()) for _ in range(4)]
         logits[products] = (steps, np.asarray(e.logits))
+    for a, b in zip(logits["cpu-prefill"], logits["xla-prefill"]):
+        np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(logits["cpu"][1], logits["xla"][1])
     for a, b in zip(logits["cpu"][0], logits["xla"][0]):
         np.testing.assert_array_equal(a, b)

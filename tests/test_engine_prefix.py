@@ -119,11 +119,13 @@ def test_a_poisoned_prompt_is_never_indexed():
 
 def test_a_new_slot_or_prompt_length_compiles_nothing(model, caplog):
     """After one chunked prompt of 3,000 tokens, another in the other slot and one of
-    3,300 (different tokens: nothing shared) compile no program. Indexing the
+    3,400 (different tokens: nothing shared) compile no program. Indexing the
     prompt's pages reads its page table through one program for every slot and
     length (with Python ints it compiled one per slot and per page count), and
     both lengths fill the cache from 4,096 staged positions
-    (`fill_length`; whole blocks, 3,072 and 3,584, made a fill program each)."""
+    (`fill_length`; whole blocks, 3,072 and 3,584, made a fill program each).
+    Their last blocks (440 and 328 tokens) both take 512 rows; a last block of
+    at most 256 tokens would compile its own size once (`Engine.block_length`)."""
     m, _ = model
     rng = np.random.default_rng(0)
     # a pool that holds all three prompts: no eviction (whose page references
@@ -141,7 +143,7 @@ def test_a_new_slot_or_prompt_length_compiles_nothing(model, caplog):
     try:
         with caplog.at_level(logging.DEBUG, logger="jax"):
             serve(1, 3000)
-            serve(0, 3300)
+            serve(0, 3400)
     finally:
         jax.config.update("jax_log_compiles", False)
     compiled = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]

@@ -61,6 +61,14 @@ def test_chunked_prefill_equals_prefill(model, long_ids, attention, implementati
         eng.prefill_chunk(0, long_ids, PREFILL_CHUNK)  # blocks out of order
 
 
+@pytest.mark.parametrize(("n", "start", "rows"), [
+    (1, 0, 64), (64, 0, 64), (65, 0, 128), (512, 0, 512), (513, 0, 512), (513, 512, 64),
+    (700, 512, 256), (1024, 512, 512), (1075, 1024, 64), (7870, 7680, 256)])
+def test_a_prompts_last_block_is_padded_as_a_short_prompt(n, start, rows):
+    """A 1,075-token prompt's last 51 tokens take 64 rows, not a whole block's 512."""
+    assert Engine.block_length(n, start) == rows
+
+
 class Collect:
     def __init__(self):
         self.events = []
@@ -130,8 +138,9 @@ def test_tpot_slo_defers_prompt_blocks_while_decodes_run(model, long_ids, slo, d
     sched.submit(Request(list(long_ids), 1, GREEDY, warm))
     while sched.waiting or sched.running():
         sched.step()
+    last = Engine.block_length(len(long_ids), PREFILL_CHUNK)  # 188 tokens: 256 rows
     assert slo is None or set(sched.block_s) == {(0, PREFILL_CHUNK, False),
-                                                 (PREFILL_CHUNK, PREFILL_CHUNK, True)}
+                                                 (PREFILL_CHUNK, last, True)}
     a, b = Collect(), Collect()
     sched.submit(Request(short_ids, 8, GREEDY, a))
     sched.step()

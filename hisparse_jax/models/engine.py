@@ -134,8 +134,8 @@ def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
 def _exact_attention(q, k, v, start, chunk: int, prefill: str):
     """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
     over k, v [S, Hkv, D] (bf16) -> [C, Hq, D] float32, on the AMX kernel (prefill
-    "cpu", `config.resolve_prefill`) or in XLA (`attention.causal_query_block`, start
-    a multiple of `chunk`). Each query's output is the same whatever block it is
+    "cpu", `config.resolve_prefill`) or in XLA (`attention.causal_query_block`, key
+    blocks of `chunk`, start a multiple of it, C at most `chunk`). Each query's output is the same whatever block it is
     computed in, so a prompt prefilled block by block gets the numbers of one program."""
     if prefill == "cpu":
         return cpu_ops.causal_attention(q, k, v, start)
@@ -143,8 +143,13 @@ def _exact_attention(q, k, v, start, chunk: int, prefill: str):
         return att.causal_prefill_attention(q, k, v, chunk=chunk)
     kv = lambda j: tuple(jax.lax.dynamic_slice_in_dim(s, j * chunk, chunk).astype(jnp.float32)
                          .transpose(1, 0, 2) for s in (k, v))
+    # A prompt's last block may be shorter: its queries are padded back to a whole
+    # block here, because XLA's products of fewer rows sum differently (4e-8), which
+    # flips bf16 roundings of later layers' K/V (SmolLM2's logits then move by 0.17)
+    c = q.shape[0]
+    q = jnp.pad(q, ((0, chunk - c), (0, 0), (0, 0)))
     out = att.causal_query_block(att.query_rows(q, k.shape[1]), kv, start // chunk, chunk)
-    return att.query_rows_back(out, chunk)
+    return att.query_rows_back(out, chunk)[:c]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
@@ -232,16 +237,17 @@ def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offloa
 @functools.partial(jax.jit, static_argnames=("graphdef", "products", "prefill"),
                    donate_argnames="stage")
 def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, products, prefill="xla"):
-    """One block of a prompt: ids [C] at positions start..start+C -> (the token
-    sampled after row `last` [], its logits [V], stage). stage: (K, V) [L, S, Hkv,
-    D] bf16, the prompt's K/V so far; this block's are written into it."""
+    """One block of a prompt: ids [C] at positions start..start+C (C: PREFILL_CHUNK,
+    or `block_length` of a last block) -> (the token sampled after row `last` [],
+    its logits [V], stage). stage: (K, V) [L, S, Hkv, D] bf16, the prompt's K/V so
+    far; this block's are written into it."""
     model = nnx.merge(graphdef, params)
     c = ids.shape[0]
 
     def attend(stage, layer, q, k, v):
         ks, vs = (jax.lax.dynamic_update_slice(s, x.astype(jnp.bfloat16)[None], (layer, start, 0, 0))
                   for s, x in zip(stage, (k, v)))
-        return _exact_attention(q, ks[layer], vs[layer], start, c, prefill), (ks, vs)
+        return _exact_attention(q, ks[layer], vs[layer], start, PREFILL_CHUNK, prefill), (ks, vs)
 
     x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend,
                             products=products)
@@ -708,6 +714,13 @@ class Engine:
         """How many `prefill_chunk` calls a prompt of n tokens takes."""
         return 1 if n <= PREFILL_CHUNK else -(-n // PREFILL_CHUNK)
 
+    @staticmethod
+    def block_length(n: int, start: int) -> int:
+        """Rows the `prefill_chunk` call at `start` of an n-token prompt computes:
+        a whole block, or the last one padded as `prefill_length` pads (a 1,075-token
+        prompt's last 51 tokens take 64 rows, not 512)."""
+        return prefill_length(min(n - start, PREFILL_CHUNK))
+
     def prefill_chunk(self, slot: int, ids, start: int,
                       sampling: SamplingParams = GREEDY) -> int | None:
         """`prefill`, one block of PREFILL_CHUNK tokens per call, so that a caller
@@ -736,7 +749,7 @@ class Engine:
             raise ValueError(f"prefill_chunk(slot={slot}, start={start}): the staged prompt "
                              f"is slot {self._stage_slot}'s first {self._staged} tokens")
         self._make_stage()
-        block = np.zeros(PREFILL_CHUNK, np.int32)
+        block = np.zeros(self.block_length(n, start), np.int32)
         real = ids[start:start + PREFILL_CHUNK]
         block[:len(real)] = real
         if start == 0 or self.sampling[slot] != sampling:
@@ -1028,11 +1041,14 @@ class Engine:
                        offload=self.offload, prefill=self.prefill_implementation).compile()
         if n > PREFILL_CHUNK:
             self._make_stage()
-            _prefill_chunk.lower(self.params, self._stage, jnp.zeros(PREFILL_CHUNK, jnp.int32),
-                                 jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
-                                 products=self.product_implementation,
-                                 prefill=self.prefill_implementation).compile()
-            t = fill_length(min(prompt_len, self.max_context - 1), self.max_context)
+            m = min(prompt_len, self.max_context - 1)
+            last = (m - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # the last block's start
+            for rows in sorted({PREFILL_CHUNK, self.block_length(m, last)}):
+                _prefill_chunk.lower(self.params, self._stage, jnp.zeros(rows, jnp.int32),
+                                     jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
+                                     products=self.product_implementation,
+                                     prefill=self.prefill_implementation).compile()
+            t = fill_length(m, self.max_context)
             kv = [x[:, :t] for x in self._stage]
             if self.cache_cfg is None:
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *self._stage).compile()

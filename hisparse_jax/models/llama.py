@@ -167,16 +167,24 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 MATMUL_MIN_ROWS = 4
+# Products of at most this many rows run on the AMX kernel (products="cpu"): a
+# decode step's, and a short prompt's or a prompt's last block's. Measured in a
+# 30-layer loop (benchmarks/weight_products.py, 2026-12-06, a loaded 2-core AMX
+# Xeon): the kernel took 0.67-0.86x XLA's time at 64 rows and 0.87x at 128, about
+# XLA's at 256 and 1.07x at 512, where XLA's packed products win back the layer
+# copy. Both sum in the same order (bit-equal), so the switch never shows.
+KERNEL_MAX_ROWS = 128
 
 
 def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla") -> jax.Array:
     """x [..., in] times w [out, in] (layer None) or w[layer] of stacked weights [L,
     out, in], transposed: in bf16, accumulated in float32.
 
-    products="cpu" (`config.resolve_products`): a product of at most 16 rows (a
-    decode step's) runs on the AMX kernel, which reads a stacked layer where it
-    lies (cpu_kernels/matmul.cc); XLA copies the layer out of the stack first, and
-    its few-row products stream the weights slowly. Larger products are XLA's.
+    products="cpu" (`config.resolve_products`): a product of at most
+    KERNEL_MAX_ROWS rows (a decode step's, a short prompt's) runs on the AMX kernel,
+    which reads a stacked layer where it lies (cpu_kernels/matmul.cc); XLA copies
+    the layer out of the stack first, and its few-row products stream the weights
+    slowly. Larger products are XLA's.
 
     In XLA, fewer than MATMUL_MIN_ROWS rows are padded with zeros: XLA:CPU's bf16
     matrix-vector path is ~10x slower than its matrix-matrix one (211 vs 22 ms for
@@ -188,7 +196,8 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla") -> 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     n = x2.shape[0]
-    if products == "cpu" and cpu_ops.matmul_unsupported(n, x2.shape[1], w.shape[-2]) is None:
+    if (products == "cpu" and n <= KERNEL_MAX_ROWS
+            and cpu_ops.matmul_unsupported(n, x2.shape[1], w.shape[-2]) is None):
         return cpu_ops.matmul(x2, w, layer).reshape(*lead, -1)
     if layer is not None:
         w = w[layer]

@@ -325,7 +325,7 @@ class Scheduler:
                     break
                 ids, start = head.ids, 0
             n = len(ids)
-            cost = prefill_length(n) if n <= PREFILL_CHUNK else PREFILL_CHUNK
+            cost = eng.block_length(n, start)
             if spent and spent + cost > self.prefill_budget:
                 break
             if self._defer((start, cost, start + PREFILL_CHUNK >= n), decoding):
@@ -337,6 +337,7 @@ class Scheduler:
             if not seq.resumed:
                 seq.resumed = True
                 self._reuse_prefix(slot, seq)
+            cost = eng.block_length(n, seq.start)
             key = (seq.start, cost, seq.start + PREFILL_CHUNK >= n)
             if seq.start != start and self._defer(key, decoding):
                 break  # a pinned prefix moved its first block
