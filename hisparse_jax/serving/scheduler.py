@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import state as st
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
+from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.generate import TextStream
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.validate import check_int, check_number
