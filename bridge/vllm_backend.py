@@ -192,6 +192,25 @@ def customize_spec(spec):
     return dataclasses.replace(spec, state_content_bytes=content_bytes(spec, mml))
 
 
+# ---------------------------------------------------------------- start-up checks, hooks
+
+# The extra that brings JAX's CUDA build (pyproject.toml; README, docs/vllm.md)
+CUDA_INSTALL = 'pip install "hisparse[vllm,cuda12]"'
+
+
+def check_jax_device(device) -> None:
+    """vLLM on CUDA needs JAX on the GPU too: a CPU-only jaxlib cannot take vLLM's CUDA
+    tensors and would fail at the first forward, so refuse at start."""
+    if torch.device(device).type != "cuda":
+        return
+    import jax
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise RuntimeError(f"HiSparse bridge: vLLM runs on CUDA but JAX's default backend "
+                           f"is {backend!r} (a CPU-only jaxlib?); install JAX's CUDA build: "
+                           f"{CUDA_INSTALL}")
+
+
 # ---------------------------------------------------------------- metadata
 
 @dataclasses.dataclass
@@ -230,6 +249,7 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
                                               kv_cache_spec.head_size):
             raise ValueError(f"the HiSparse bridge needs the value head size equal to the "
                              f"key's ({kv_cache_spec.head_size_v} != {kv_cache_spec.head_size})")
+        check_jax_device(device)
         BRIDGE.configure(
             num_kv_heads=kv_cache_spec.num_kv_heads,
             num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),

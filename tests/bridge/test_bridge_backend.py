@@ -178,6 +178,28 @@ def test_spec_is_sized_by_hisparse_bytes(vllm_config):
         assert backend.customize_spec(SPEC) == spec
 
 
+@pytest.mark.parametrize("device, jax_backend, refused", [
+    ("cuda", "cpu", True),     # vLLM on a GPU, jax[cpu]: it would fail at the first forward
+    ("cuda", "gpu", False),
+    ("cpu", "cpu", False),
+])
+def test_builder_refuses_cuda_with_a_cpu_only_jax(bridge, monkeypatch, device, jax_backend,
+                                                   refused):
+    import jax
+    monkeypatch.setattr(jax, "default_backend", lambda: jax_backend)
+
+    def make():
+        return vb.HiSparseMetadataBuilder(SPEC, ["l0"], fake_config(), torch.device(device))
+    if not refused:
+        make()
+        return
+    with pytest.raises(RuntimeError) as e:
+        make()
+    msg = str(e.value)
+    assert "\n" not in msg and "CUDA" in msg and "'cpu'" in msg
+    assert msg.endswith('pip install "hisparse[vllm,cuda12]"')
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_configuration(backend):
     """vLLM's own validate_configuration (0.32 and 0.33 take the same arguments)."""
