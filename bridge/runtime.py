@@ -8,10 +8,12 @@ How vLLM's requests map onto HiSparse (docs/vllm.md, "Requests and slots"):
 - A request is known by the first block of its block table (block ids are
   never shared between live requests: prefix caching must be off). A row that
   starts at position 0 is a new request; any slot still holding one of its
-  blocks belonged to a finished request and is released first. A finished
-  request's slot is also released when a new request needs a slot and none is
-  free: vLLM schedules every running request in every step, so a slot missing
-  from the batch is finished (the least recently scheduled one goes).
+  blocks belonged to a finished request and is released first. When vLLM says
+  a request finished (the backend reads its scheduler output), `finish`
+  releases its slot at once. Failing that, a finished request's slot is
+  released when a new request needs a slot and none is free: vLLM schedules
+  every running request in every step, so a slot missing from the batch is
+  finished (the least recently scheduled one goes).
 - Prefill is exact, chunked or not. Until a request decodes, its K/V stay
   exact (bf16) in a staging buffer owned by the layer, and each prefill chunk
   attends the staged prefix and itself causally (`prefix_attention`).
@@ -195,8 +197,8 @@ class SlotTable:
         self.owner: dict[int, int] = {}            # block id -> slot
         self.step = 0
         self.counters = {"requests": 0, "released_stale": 0, "evicted_lru": 0,
-                         "converted": 0, "decode_tokens": 0, "prefill_tokens": 0,
-                         "multi_tokens": 0}
+                         "released_finished": 0, "converted": 0, "decode_tokens": 0,
+                         "prefill_tokens": 0, "multi_tokens": 0}
 
     def _release(self, s: int, releases: list[int]):
         for b in self.blocks[s]:
@@ -207,6 +209,21 @@ class SlotTable:
         self.sparse[s] = False
         self.blocks[s] = np.zeros(0, np.int64)
         releases.append(s)
+
+    def finish(self, first_block: int) -> int | None:
+        """vLLM says the request whose first block is `first_block` finished (or was
+        aborted or preempted): release its slot now. Returns the slot, or None if
+        no slot holds it (it never ran, or its slot went already)."""
+        found = np.flatnonzero(self.key == first_block)
+        if not found.size:
+            return None
+        s = int(found[0])
+        self._release(s, [])
+        self.counters["released_finished"] += 1
+        return s
+
+    def in_use(self) -> int:
+        return int(np.count_nonzero(self.key >= 0))
 
     def _claim(self, s: int, blocks: np.ndarray, busy: set, releases: list[int]):
         """Record that slot s holds `blocks`; a slot that held one of them is dead."""

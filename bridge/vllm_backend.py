@@ -23,6 +23,7 @@ Only this file and bridge/vllm_cpu.py, bridge/plugin.py import vLLM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import ClassVar
@@ -70,6 +71,7 @@ class _Bridge:
         self.logged = False
         self.num_layers = 0
         self.seconds = {"plan": 0.0, "layers": 0.0}
+        self.first_block: dict[str, int] = {}  # vLLM request id -> its first block
 
     def configure(self, *, num_kv_heads, num_heads, head_dim, page_size, max_model_len,
                   max_seqs, num_layers=0):
@@ -118,6 +120,30 @@ class _Bridge:
         lc = self.layers[name] = rt.LayerCache(cfg, impl.scale, exact_attention=exact)
         return lc
 
+    def on_schedule(self, scheduler_output):
+        """Before vLLM runs a step: learn each new request's first block (the slot
+        table's key) and release the slots of requests vLLM says finished, were
+        aborted or were preempted, with their staged exact K/V, at once (a request
+        that never decodes would otherwise keep them until its slot is reused)."""
+        # Finished first, as vLLM's model runner does: an aborted request id may come
+        # back as a new request in the same step.
+        done = set(scheduler_output.finished_req_ids)
+        done |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in done:
+            first = self.first_block.pop(rid, None)
+            s = None if first is None or self.slots is None else self.slots.finish(first)
+            if s is not None:
+                for lc in self.layers.values():
+                    lc.release(s)
+        for r in scheduler_output.scheduled_new_reqs:
+            if r.block_ids and r.block_ids[0]:
+                self.first_block[r.req_id] = int(r.block_ids[0][0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            # a resumed request starts again at 0 in new blocks (they replace its old)
+            if rid in cached.resumed_req_ids and ids and ids[0]:
+                self.first_block[rid] = int(ids[0][0])
+
     def log_capacity(self, num_blocks: int | None):
         """HiSparse's capacity line, once: at start-up where vLLM has set its block
         count before building the metadata builders, else at the first forward."""
@@ -144,6 +170,9 @@ class _Bridge:
         out = dict(self.slots.counters) if self.slots else {}
         out.update({f"dlpack_{k}": v for k, v in dlpack.stats().items()})
         out["layers"] = len(self.layers)
+        # held now: slots with a request, and slots with staged exact K/V in any layer
+        out["slots_in_use"] = self.slots.in_use() if self.slots else 0
+        out["staged_slots"] = len({s for lc in self.layers.values() for s in lc.staged})
         out.update({f"seconds_{k}": round(v, 3) for k, v in self.seconds.items()})
         return out
 
@@ -211,6 +240,33 @@ def check_jax_device(device) -> None:
                            f"{CUDA_INSTALL}")
 
 
+def install_finish_hook() -> bool:
+    """Have vLLM's worker tell the bridge each step's scheduler output before it runs
+    the step (`_Bridge.on_schedule`: finished, aborted and preempted requests free
+    their slots and staged K/V). The attention builder never sees request ids or
+    finished requests, so the bridge wraps `Worker.execute_model` (vLLM 0.32 and
+    0.33: the CPU worker's and the GPU worker's, either model runner). Idempotent;
+    False (and a warning) where vLLM has no such method."""
+    from vllm.v1.worker.gpu_worker import Worker
+    run = getattr(Worker, "execute_model", None)
+    if run is None:
+        log.warning("HiSparse bridge: vLLM's Worker has no execute_model; a request that "
+                    "never decodes keeps its slot until the slot is reused")
+        return False
+    if getattr(run, "_hisparse", False):
+        return True
+
+    @functools.wraps(run)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if scheduler_output is not None:
+            BRIDGE.on_schedule(scheduler_output)
+        return run(self, scheduler_output, *args, **kwargs)
+
+    execute_model._hisparse = True
+    Worker.execute_model = execute_model
+    return True
+
+
 # ---------------------------------------------------------------- metadata
 
 @dataclasses.dataclass
@@ -257,6 +313,7 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
             max_model_len=mc.max_model_len,
             max_seqs=vllm_config.scheduler_config.max_num_seqs, num_layers=len(layer_names))
         BRIDGE.log_capacity(getattr(cc, "num_gpu_blocks", None))
+        install_finish_hook()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> HiSparseMetadata:

@@ -200,6 +200,63 @@ def test_builder_refuses_cuda_with_a_cpu_only_jax(bridge, monkeypatch, device, j
     assert msg.endswith('pip install "hisparse[vllm,cuda12]"')
 
 
+def new_request(req_id, blocks):
+    from vllm.v1.core.sched.output import NewRequestData
+    return NewRequestData(req_id=req_id, prompt_token_ids=None, mm_features=[],
+                          sampling_params=None, pooling_params=None, block_ids=(blocks,),
+                          num_computed_tokens=0, lora_request=None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_finished_requests_free_their_slots_and_staged_kv(vllm_config, bridge, monkeypatch,
+                                                          backend):
+    """A request that never decodes: `a` prefilled whole (max_tokens 1: vLLM samples its
+    one token from the prefill) and `b` aborted after its first prefill chunk. When
+    vLLM's scheduler output says they finished, their slots and staged K/V go before
+    the step runs, and a new request gets a slot and exact attention."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_worker import Worker
+    seen = []
+    # vLLM's real Worker class, its step stubbed: the bridge's hook wraps what is there
+    monkeypatch.setattr(Worker, "execute_model", lambda self, so: seen.append(so) or "ran")
+    assert vb.install_finish_hook() and vb.install_finish_hook()  # idempotent
+    g = torch.Generator().manual_seed(1)
+    blocks = {"a": [5, 9, 2, 40], "b": [7, 3, 11, 12], "c": [8, 4]}
+    with config_context(vllm_config):
+        builder = backend.get_builder_cls()(SPEC, ["l0"], vllm_config, torch.device("cpu"))
+        impl = backend.get_impl_cls()(HQ, D, D ** -0.5, HKV, None, None, "auto")
+    layer = types.SimpleNamespace(layer_name="l0")
+    kv_cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
+
+    def step(reqs, new=(), finished=()):
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [new_request(r, blocks[r]) for r in new]
+        so.finished_req_ids = set(finished)
+        assert Worker.execute_model(object(), so) == "ran" and seen[-1] is so
+        if not reqs:
+            return None
+        m = common([(0, n, blocks[r]) for r, n in reqs])
+        t = m.num_actual_tokens
+        q = torch.randn(t, HQ, D, generator=g).bfloat16()
+        k, v = (torch.randn(t, HKV, D, generator=g).bfloat16() for _ in range(2))
+        out = torch.empty(t, HQ * D, dtype=torch.bfloat16)
+        impl.forward(layer, q, k, v, kv_cache, builder.build(0, m), out)
+        return q, k, v, out
+
+    step([("a", 50), ("b", 32)], new=("a", "b"))
+    lc = bridge.layers["l0"]
+    assert len(lc.staged) == 2 and bridge.slots.in_use() == 2
+    step([], finished=("a", "b"))  # no tokens: vLLM's step that only reports them
+    c = vb.counters()
+    assert not lc.staged and c["staged_slots"] == 0 and c["slots_in_use"] == 0
+    assert c["released_finished"] == 2 and not bridge.first_block
+    q, k, v, out = step([("c", 20)], new=("c",))
+    c = vb.counters()
+    assert c["slots_in_use"] == 1 and c["evicted_lru"] == c["released_stale"] == 0
+    torch.testing.assert_close(out.view(-1, HQ, D).double(), dense_ref(q, k, v, torch.arange(20)),
+                               atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_configuration(backend):
     """vLLM's own validate_configuration (0.32 and 0.33 take the same arguments)."""

@@ -8,7 +8,9 @@ the same engine with its own attention (CPU_ATTN), same model, same prompts:
   of 480 tokens per KV head (1/16 of the context), with chunked prefill on;
 - vLLM's own "KV cache size: N tokens" grows by the factor HiSparse's layout
   predicts, at the same VLLM_CPU_KVCACHE_SPACE;
-- the bridge logs its capacity line once and crosses torch/JAX without copies.
+- the bridge logs its capacity line once and crosses torch/JAX without copies;
+- a request that never decodes (max_tokens 1) leaves no staged K/V and frees its slot
+  once vLLM reports it finished, as every finished request does.
 
 Two engine runs (one each), about 4-5 minutes on 2 cores in all.
 """
@@ -41,9 +43,12 @@ def _prompts():
              for q in wl.CHAT_QUESTIONS]
     pk = [{"prompt": wl.passkey(wl.FILLERS_7K5, d, k), "max_tokens": 8}
           for d, k in zip(DEPTHS, keys)]
-    # Two generate calls: the short prompts alone first, so that both engines batch
-    # them the same way (vLLM's own rounding depends on the batch), then the passkeys.
-    return {"groups": [short, pk]}, keys
+    # One token: sampled from the prefill, so the request never reaches a decode step.
+    one = [{"prompt": wl.chat(wl.CHAT_QUESTIONS[0]), "max_tokens": 1}]
+    # Three generate calls: the short prompts alone first, so that both engines batch
+    # them the same way (vLLM's own rounding depends on the batch), then the one-token
+    # request, then the passkeys (vLLM reports a request finished in its next step).
+    return {"groups": [short, one, pk]}, keys
 
 
 def _run(tmp, name, model, env, extra):
@@ -102,11 +107,12 @@ def test_greedy_tokens_equal_cpu_attn(runs):
 def test_passkey_answered_as_dense(runs):
     dense, hs = runs
     _, keys = _prompts()
-    n = len(wl.CHAT_QUESTIONS)
+    n = len(wl.CHAT_QUESTIONS) + 1  # the passkeys follow the short and one-token groups
     d_hits = [wl.passkey_hit(k, o["text"]) for k, o in zip(keys, dense["outputs"][n:])]
     h_hits = [wl.passkey_hit(k, o["text"]) for k, o in zip(keys, hs["outputs"][n:])]
     print("passkey hits dense", d_hits, "hisparse", h_hits,
           [o["text"] for o in hs["outputs"][n:]])
+    assert len(d_hits) == len(h_hits) == len(DEPTHS)
     assert all(o["prompt_tokens"] > 7400 for o in hs["outputs"][n:])
     assert sum(d_hits) >= 1
     assert h_hits == d_hits
@@ -133,6 +139,18 @@ def test_bridge_logged_once_and_crossed_without_copies(runs):
     assert "budget 480 cold tokens" in lines[0]
     c = hs["bridge"]
     assert c["layers"] == 30
-    assert c["converted"] == len(hs["outputs"])
+    assert c["converted"] == len(hs["outputs"]) - 1  # all but the one-token request
     assert c["dlpack_to_jax_copies"] == 0 and c["dlpack_to_torch_copies"] == 0
     assert c["dlpack_to_jax"] > 0 and c["released_stale"] + c["evicted_lru"] <= c["requests"]
+
+
+def test_a_request_that_never_decodes_frees_its_slot_and_staged_kv(runs):
+    """vLLM reports a finished request in its next step, so every request but the
+    last group's (the passkeys) was reported before the run ended: all freed their
+    slots then, the one-token request's staged K/V with it."""
+    _, hs = runs
+    c = hs["bridge"]
+    assert len(hs["outputs"][len(wl.CHAT_QUESTIONS)]["token_ids"]) == 1
+    assert c["released_finished"] >= len(hs["outputs"]) - len(DEPTHS)
+    assert c["staged_slots"] == 0 and c["slots_in_use"] <= len(DEPTHS)
+    assert c["evicted_lru"] == 0  # never needed: finished requests' slots were free

@@ -220,6 +220,27 @@ def test_finished_slot_is_reclaimed_and_prefix_hits_refused():
         table.plan(qsl, sl, bt, 1, 8)
 
 
+def test_a_finished_request_frees_its_slot_and_staged_kv():
+    """A request that never decodes (max_tokens 1, or aborted mid-prefill): when vLLM
+    says it finished, its slot and staged exact K/V go at once, and the slot serves
+    the next request exactly."""
+    _, table, layer, fake = setup(max_seqs=2)
+    fake.start("a", 60)
+    run_step(table, layer, fake, [("a", 40)])  # a first prefill chunk: staged, then done
+    first, (slot,) = fake.reqs["a"]["blocks"][0], layer.staged
+    assert table.in_use() == 1
+    assert table.finish(first) == slot
+    layer.release(slot)
+    assert not layer.staged and table.in_use() == 0
+    assert table.counters["released_finished"] == 1
+    assert table.finish(first) is None  # told twice, or a request that never ran
+    fake.finish("a")
+    fake.start("b", 30)
+    got, want, plan = run_step(table, layer, fake, [("b", 30)])
+    assert plan.reqs[0].slot == slot and not plan.releases
+    assert rel(got, want) < 2e-2
+
+
 def test_pool_ids_follow_append_order():
     cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
                          max_model_len=4096, max_seqs=2)
