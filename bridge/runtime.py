@@ -133,10 +133,74 @@ def vllm_content_bytes(cfg: HiSparseConfig) -> int:
     return int(-(-bytes_per_token_per_head(cfg) // 2) * 2)
 
 
-def predicted_capacity_factor(cfg: HiSparseConfig, dtype_bytes: int = 2) -> float:
+def predicted_capacity_factor(cfg: HiSparseConfig, dtype_bytes: int = 2,
+                              content_bytes: int | None = None) -> float:
     """vLLM's KV capacity in tokens with HiSparse over its own (bf16 K and V,
-    2 * head_dim * dtype_bytes per token per KV head), at the same memory."""
-    return 2 * cfg.head_dim * dtype_bytes / vllm_content_bytes(cfg)
+    2 * head_dim * dtype_bytes per token per KV head), at the same memory; at
+    `content_bytes` per (token, KV head) if given, else `vllm_content_bytes`."""
+    return 2 * cfg.head_dim * dtype_bytes / (content_bytes or vllm_content_bytes(cfg))
+
+
+# ---------------------------------------------------------------- the slots and the budget
+#
+# A layer's state is linear in its slots and pool pages: every slot has its own bf16
+# (sink, hot) and fp8 (warm) tiers and a page-table row, whatever the pool size, and
+# vLLM's block pool (one page per block) is sized by bytes per token. The functions
+# below keep max_seqs slots inside what vLLM allocates.
+
+def state_parts(cfg: HiSparseConfig) -> tuple[int, int, int]:
+    """(per slot, per pool page, fixed) device bytes of one layer's state:
+    `layout.state_bytes` = max_seqs * slot + pool_pages * page + fixed."""
+    def dev(seqs, pages):
+        return layout.state_bytes(cfg.replace(max_seqs=seqs, num_pool_pages=pages)).device
+    base = dev(1, 1)
+    slot, page = dev(2, 1) - base, dev(1, 2) - base
+    return slot, page, base - slot - page
+
+
+def slots_fit(cfg: HiSparseConfig, num_blocks: int, content_bytes: int) -> bool:
+    """Whether a layer's state of max_seqs slots and a num_blocks-page pool fits in the
+    layer's num_blocks blocks that vLLM allocates at content_bytes per (token, KV
+    head) (every layer alike)."""
+    slot, page, fixed = state_parts(cfg)
+    block = cfg.page_size * cfg.num_kv_heads * content_bytes
+    return cfg.max_seqs * slot + num_blocks * page + fixed <= num_blocks * block
+
+
+def budget_content_bytes(cfg: HiSparseConfig, budget: int, num_layers: int) -> int | None:
+    """The smallest even bytes per (token, KV head) at which vLLM's block pool, sized
+    from `budget` bytes over num_layers layers (blocks = budget // bytes per block),
+    also pays for the max_seqs slots' tiers (`slots_fit`); None if what is left cannot
+    hold one max_context sequence (plus vLLM's null block)."""
+    slot, page, fixed = state_parts(cfg)
+    per_block_byte = num_layers * cfg.page_size * cfg.num_kv_heads  # bytes per block / c
+    one_seq = cfg.max_pages + 1
+    most = (budget // num_layers - cfg.max_seqs * slot - fixed) // page  # most pool pages
+    if most < one_seq:
+        return None
+    c = max(-(-page // (cfg.page_size * cfg.num_kv_heads)),
+            -(-budget // (per_block_byte * most)))
+    c += c % 2
+    while True:  # at most a few steps: the floors can leave a block short
+        blocks = budget // (per_block_byte * c)
+        if blocks < one_seq:
+            return None
+        if slots_fit(cfg, blocks, c):
+            return c
+        c += 2
+
+
+def max_seqs_within(cfg: HiSparseConfig, fits) -> int:
+    """The largest max_seqs in [0, cfg.max_seqs] for which fits(cfg) holds (it
+    holds for fewer slots if for more)."""
+    lo, hi = 0, cfg.max_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(cfg.replace(max_seqs=mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ---------------------------------------------------------------- host side: the plan

@@ -178,6 +178,87 @@ def test_spec_is_sized_by_hisparse_bytes(vllm_config):
         assert backend.customize_spec(SPEC) == spec
 
 
+GiB = 2**30
+
+
+def budget_config(vllm_config, max_num_seqs, budget):
+    """vLLM's config with an explicit KV budget (--kv-cache-memory-bytes;
+    VLLM_CPU_KVCACHE_SPACE sets the same field) and --max-num-seqs."""
+    if VLLM_033:  # the stand-in: what _record_model_config reads from a real one
+        vc = fake_config()
+        vc.scheduler_config.max_num_seqs = max_num_seqs
+        vc.cache_config.kv_cache_memory_bytes = budget
+        vc.model_config.get_num_layers_by_block_type = lambda pc, kind: 30
+        return vc
+    return VllmConfig(model_config=vllm_config.model_config,
+                      cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False,
+                                               kv_cache_memory_bytes=budget),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                       max_model_len=2048,
+                                                       is_encoder_decoder=False))
+
+
+def budget_context(vc, monkeypatch):
+    if VLLM_033:  # no current config on 0.33 here: record what a real one gives
+        monkeypatch.setattr(vb, "_MODEL", {
+            "max_model_len": 2048, "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "kv_budget": vc.cache_config.kv_cache_memory_bytes, "num_layers": 30})
+        return contextlib.nullcontext()
+    return set_current_vllm_config(vc)
+
+
+# SmolLM2 (30 layers) at max_model_len 2048 with a 1 GiB budget: a slot's tiers take
+# 268,165 B a layer; 131 slots leave room for one 2K sequence. 128 and 256 are vLLM's
+# CPU defaults (server, LLM class).
+@pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (128, True), (131, True),
+                                                (132, False), (256, False)])
+def test_spec_takes_the_slots_out_of_an_explicit_budget(vllm_config, bridge, monkeypatch,
+                                                        max_num_seqs, fits):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would set the budget
+    vc = budget_config(vllm_config, max_num_seqs, GiB)
+    with budget_context(vc, monkeypatch):
+        if not fits:
+            with pytest.raises(ValueError) as e:
+                vb.HiSparseBackend.customize_spec(SPEC)
+            msg = str(e.value)
+            assert "\n" not in msg and msg.startswith(
+                f"HiSparse bridge: --max-num-seqs {max_num_seqs} needs "
+                f"{max_num_seqs * 268_165 * 30:,} B")
+            assert "KV budget of 1,073,741,824 B" in msg and "VLLM_CPU_KVCACHE_SPACE" in msg
+            assert msg.endswith("the largest --max-num-seqs that fits is 131")
+            return
+        spec = vb.HiSparseBackend.customize_spec(SPEC)
+    assert bridge.budgeted
+    c = spec.state_content_bytes
+    blocks = GiB // (30 * spec.page_size_bytes)  # vLLM's division
+    cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=BS,
+                         max_model_len=2048, max_seqs=max_num_seqs, num_blocks=blocks)
+    from hisparse_jax import layout
+    assert 30 * layout.state_bytes(cfg).device <= 30 * blocks * spec.page_size_bytes <= GiB
+    assert c == rt.budget_content_bytes(cfg, GiB, 30) and c % 2 == 0
+    # without a budget (vLLM measures it later): the per-token figure, checked at start
+    assert vb.content_bytes(SPEC, 2048, max_num_seqs) == 108
+
+
+# vLLM measured its budget after the spec was sized (108 B per token per KV head at
+# max_model_len 2048) and made 2,000 blocks: 8 slots fit beside that pool, 9 do not.
+@pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (9, False), (128, False)])
+def test_builder_refuses_slots_past_the_pool_vllm_sized(bridge, max_num_seqs, fits):
+    vc = fake_config()
+    vc.scheduler_config.max_num_seqs = max_num_seqs
+    vc.cache_config.num_gpu_blocks = 2000
+    spec = dataclasses.replace(SPEC, state_content_bytes=108)
+    layers = [f"l{i}" for i in range(30)]
+    if fits:
+        vb.HiSparseMetadataBuilder(spec, layers, vc, torch.device("cpu"))
+        return
+    with pytest.raises(ValueError) as e:
+        vb.HiSparseMetadataBuilder(spec, layers, vc, torch.device("cpu"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"HiSparse bridge: --max-num-seqs {max_num_seqs} ")
+    assert "the largest --max-num-seqs that fits is 8" in msg and "--kv-cache-memory-bytes" in msg
+
+
 @pytest.mark.parametrize("device, jax_backend, refused", [
     ("cuda", "cpu", True),     # vLLM on a GPU, jax[cpu]: it would fail at the first forward
     ("cuda", "gpu", False),

@@ -124,7 +124,10 @@ def test_capacity_grows_by_the_predicted_factor(runs):
     cfg = rt.make_config(num_kv_heads=3, num_heads=9, head_dim=64, page_size=16,
                          max_model_len=MAX_MODEL_LEN, max_seqs=8,
                          overrides={"budget_tokens": BUDGET})
-    predicted = rt.predicted_capacity_factor(cfg)
+    # the bytes per token that leave room for the 8 slots' tiers in the 1 GiB budget
+    # (VLLM_CPU_KVCACHE_SPACE=1) over SmolLM2's 30 layers
+    predicted = rt.predicted_capacity_factor(
+        cfg, content_bytes=rt.budget_content_bytes(cfg, 2**30, 30))
     print(f"vLLM KV cache: {d_tokens:,} tokens (CPU_ATTN) -> {h_tokens:,} (HiSparse): "
           f"{h_tokens / d_tokens:.3f}x, layout predicts {predicted:.3f}x")
     # whole blocks: vLLM's 128-token blocks and our 16-token ones round the counts
@@ -137,6 +140,7 @@ def test_bridge_logged_once_and_crossed_without_copies(runs):
     lines = [x for x in hs["log"].splitlines() if "HiSparse bridge:" in x and "blocks x" in x]
     assert len(lines) == 1, lines
     assert "budget 480 cold tokens" in lines[0]
+    assert "8 slots' tiers 62.0 MiB (taken out of vLLM's explicit KV budget)" in lines[0]
     c = hs["bridge"]
     assert c["layers"] == 30
     assert c["converted"] == len(hs["outputs"]) - 1  # all but the one-token request
