@@ -8,10 +8,12 @@ How vLLM's requests map onto HiSparse (docs/vllm.md, "Requests and slots"):
 - A request is known by the first block of its block table (block ids are
   never shared between live requests: prefix caching must be off). A row that
   starts at position 0 is a new request; any slot still holding one of its
-  blocks belonged to a finished request and is released first. A finished
-  request's slot is also released when a new request needs a slot and none is
-  free: vLLM schedules every running request in every step, so a slot missing
-  from the batch is finished (the least recently scheduled one goes).
+  blocks belonged to a finished request and is released first. When vLLM says
+  a request finished (the backend reads its scheduler output), `finish`
+  releases its slot at once. Failing that, a finished request's slot is
+  released when a new request needs a slot and none is free: vLLM schedules
+  every running request in every step, so a slot missing from the batch is
+  finished (the least recently scheduled one goes).
 - Prefill is exact, chunked or not. Until a request decodes, its K/V stay
   exact (bf16) in a staging buffer owned by the layer, and each prefill chunk
   attends the staged prefix and itself causally (`prefix_attention`).
@@ -131,10 +133,74 @@ def vllm_content_bytes(cfg: HiSparseConfig) -> int:
     return int(-(-bytes_per_token_per_head(cfg) // 2) * 2)
 
 
-def predicted_capacity_factor(cfg: HiSparseConfig, dtype_bytes: int = 2) -> float:
+def predicted_capacity_factor(cfg: HiSparseConfig, dtype_bytes: int = 2,
+                              content_bytes: int | None = None) -> float:
     """vLLM's KV capacity in tokens with HiSparse over its own (bf16 K and V,
-    2 * head_dim * dtype_bytes per token per KV head), at the same memory."""
-    return 2 * cfg.head_dim * dtype_bytes / vllm_content_bytes(cfg)
+    2 * head_dim * dtype_bytes per token per KV head), at the same memory; at
+    `content_bytes` per (token, KV head) if given, else `vllm_content_bytes`."""
+    return 2 * cfg.head_dim * dtype_bytes / (content_bytes or vllm_content_bytes(cfg))
+
+
+# ---------------------------------------------------------------- the slots and the budget
+#
+# A layer's state is linear in its slots and pool pages: every slot has its own bf16
+# (sink, hot) and fp8 (warm) tiers and a page-table row, whatever the pool size, and
+# vLLM's block pool (one page per block) is sized by bytes per token. The functions
+# below keep max_seqs slots inside what vLLM allocates.
+
+def state_parts(cfg: HiSparseConfig) -> tuple[int, int, int]:
+    """(per slot, per pool page, fixed) device bytes of one layer's state:
+    `layout.state_bytes` = max_seqs * slot + pool_pages * page + fixed."""
+    def dev(seqs, pages):
+        return layout.state_bytes(cfg.replace(max_seqs=seqs, num_pool_pages=pages)).device
+    base = dev(1, 1)
+    slot, page = dev(2, 1) - base, dev(1, 2) - base
+    return slot, page, base - slot - page
+
+
+def slots_fit(cfg: HiSparseConfig, num_blocks: int, content_bytes: int) -> bool:
+    """Whether a layer's state of max_seqs slots and a num_blocks-page pool fits in the
+    layer's num_blocks blocks that vLLM allocates at content_bytes per (token, KV
+    head) (every layer alike)."""
+    slot, page, fixed = state_parts(cfg)
+    block = cfg.page_size * cfg.num_kv_heads * content_bytes
+    return cfg.max_seqs * slot + num_blocks * page + fixed <= num_blocks * block
+
+
+def budget_content_bytes(cfg: HiSparseConfig, budget: int, num_layers: int) -> int | None:
+    """The smallest even bytes per (token, KV head) at which vLLM's block pool, sized
+    from `budget` bytes over num_layers layers (blocks = budget // bytes per block),
+    also pays for the max_seqs slots' tiers (`slots_fit`); None if what is left cannot
+    hold one max_context sequence (plus vLLM's null block)."""
+    slot, page, fixed = state_parts(cfg)
+    per_block_byte = num_layers * cfg.page_size * cfg.num_kv_heads  # bytes per block / c
+    one_seq = cfg.max_pages + 1
+    most = (budget // num_layers - cfg.max_seqs * slot - fixed) // page  # most pool pages
+    if most < one_seq:
+        return None
+    c = max(-(-page // (cfg.page_size * cfg.num_kv_heads)),
+            -(-budget // (per_block_byte * most)))
+    c += c % 2
+    while True:  # at most a few steps: the floors can leave a block short
+        blocks = budget // (per_block_byte * c)
+        if blocks < one_seq:
+            return None
+        if slots_fit(cfg, blocks, c):
+            return c
+        c += 2
+
+
+def max_seqs_within(cfg: HiSparseConfig, fits) -> int:
+    """The largest max_seqs in [0, cfg.max_seqs] for which fits(cfg) holds (it
+    holds for fewer slots if for more)."""
+    lo, hi = 0, cfg.max_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(cfg.replace(max_seqs=mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ---------------------------------------------------------------- host side: the plan
@@ -195,8 +261,8 @@ class SlotTable:
         self.owner: dict[int, int] = {}            # block id -> slot
         self.step = 0
         self.counters = {"requests": 0, "released_stale": 0, "evicted_lru": 0,
-                         "converted": 0, "decode_tokens": 0, "prefill_tokens": 0,
-                         "multi_tokens": 0}
+                         "released_finished": 0, "converted": 0, "decode_tokens": 0,
+                         "prefill_tokens": 0, "multi_tokens": 0}
 
     def _release(self, s: int, releases: list[int]):
         for b in self.blocks[s]:
@@ -207,6 +273,21 @@ class SlotTable:
         self.sparse[s] = False
         self.blocks[s] = np.zeros(0, np.int64)
         releases.append(s)
+
+    def finish(self, first_block: int) -> int | None:
+        """vLLM says the request whose first block is `first_block` finished (or was
+        aborted or preempted): release its slot now. Returns the slot, or None if
+        no slot holds it (it never ran, or its slot went already)."""
+        found = np.flatnonzero(self.key == first_block)
+        if not found.size:
+            return None
+        s = int(found[0])
+        self._release(s, [])
+        self.counters["released_finished"] += 1
+        return s
+
+    def in_use(self) -> int:
+        return int(np.count_nonzero(self.key >= 0))
 
     def _claim(self, s: int, blocks: np.ndarray, busy: set, releases: list[int]):
         """Record that slot s holds `blocks`; a slot that held one of them is dead."""

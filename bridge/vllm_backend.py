@@ -23,6 +23,7 @@ Only this file and bridge/vllm_cpu.py, bridge/plugin.py import vLLM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import ClassVar
@@ -70,6 +71,9 @@ class _Bridge:
         self.logged = False
         self.num_layers = 0
         self.seconds = {"plan": 0.0, "layers": 0.0}
+        self.first_block: dict[str, int] = {}  # vLLM request id -> its first block
+        self.content_bytes = None  # the spec's bytes per (token, KV head)
+        self.budgeted = False      # the slots' tiers were taken out of an explicit budget
 
     def configure(self, *, num_kv_heads, num_heads, head_dim, page_size, max_model_len,
                   max_seqs, num_layers=0):
@@ -118,6 +122,53 @@ class _Bridge:
         lc = self.layers[name] = rt.LayerCache(cfg, impl.scale, exact_attention=exact)
         return lc
 
+    def check_budget(self, num_blocks: int | None, spec, num_layers: int):
+        """Refuse at start, in one line naming --max-num-seqs, if the HiSparse states
+        (max_seqs slots' tiers and a num_blocks-page pool, num_layers layers) need
+        more than the num_blocks blocks vLLM allocated at the spec's bytes per token.
+        An explicit budget was sized to fit (`content_bytes`); one vLLM measured is
+        checked here."""
+        if not num_blocks or spec.state_content_bytes is None:
+            return  # not the real pool yet (vLLM's profiling), or vLLM's own spec
+        cfg, c = self.base, spec.state_content_bytes
+        if rt.slots_fit(cfg, num_blocks, c):
+            return
+        slot, page, fixed = rt.state_parts(cfg)
+        have = num_blocks * cfg.page_size * cfg.num_kv_heads * c * num_layers
+        need = (cfg.max_seqs * slot + num_blocks * page + fixed) * num_layers
+        fit = rt.max_seqs_within(cfg, lambda x: rt.slots_fit(x, num_blocks, c))
+        raise ValueError(
+            f"HiSparse bridge: --max-num-seqs {cfg.max_seqs} needs {need:,} B "
+            f"({need / GiB:.2f} GiB: {slot:,} B of bf16/fp8 tiers per slot per layer, "
+            f"{num_layers} layers, beside the {num_blocks:,}-block pool), over the "
+            f"{have:,} B ({have / GiB:.2f} GiB) vLLM sized its KV cache at; the largest "
+            f"--max-num-seqs that fits is {fit} (or give vLLM an explicit KV budget, "
+            f"{BUDGET_FLAGS}, and the bridge takes the slots out of it)")
+
+    def on_schedule(self, scheduler_output):
+        """Before vLLM runs a step: learn each new request's first block (the slot
+        table's key) and release the slots of requests vLLM says finished, were
+        aborted or were preempted, with their staged exact K/V, at once (a request
+        that never decodes would otherwise keep them until its slot is reused)."""
+        # Finished first, as vLLM's model runner does: an aborted request id may come
+        # back as a new request in the same step.
+        done = set(scheduler_output.finished_req_ids)
+        done |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in done:
+            first = self.first_block.pop(rid, None)
+            s = None if first is None or self.slots is None else self.slots.finish(first)
+            if s is not None:
+                for lc in self.layers.values():
+                    lc.release(s)
+        for r in scheduler_output.scheduled_new_reqs:
+            if r.block_ids and r.block_ids[0]:
+                self.first_block[r.req_id] = int(r.block_ids[0][0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            # a resumed request starts again at 0 in new blocks (they replace its old)
+            if rid in cached.resumed_req_ids and ids and ids[0]:
+                self.first_block[rid] = int(ids[0][0])
+
     def log_capacity(self, num_blocks: int | None):
         """HiSparse's capacity line, once: at start-up where vLLM has set its block
         count before building the metadata builders, else at the first forward."""
@@ -126,24 +177,35 @@ class _Bridge:
         self.logged = True
         from hisparse_jax import layout
         cfg, num_layers = self.base.replace(num_pool_pages=int(num_blocks)), self.num_layers or 1
-        per = rt.vllm_content_bytes(cfg)
+        per = self.content_bytes or rt.vllm_content_bytes(cfg)
         bf16 = 2 * cfg.head_dim * 2
         b = layout.state_bytes(cfg)
+        slot = rt.state_parts(cfg)[0]
         # The library's own line, for max_seqs sequences of max_context tokens.
         log.info("%s", layout.summary_line(cfg.replace(num_pool_pages=None)))
         log.info("HiSparse bridge: %d blocks x %d tokens = %s tokens per layer, "
                  "%d B per token per KV head (bf16 %d B: %.3fx capacity); "
-                 "JAX holds %.1f MiB per layer, %.1f MiB over %d layers; "
-                 "budget %s cold tokens per KV head, %d slots",
+                 "JAX holds %.1f MiB per layer, %.1f MiB over %d layers, of which "
+                 "%d slots' tiers %.1f MiB (%s); budget %s cold tokens per KV head",
                  cfg.pool_pages, cfg.page_size, f"{cfg.pool_pages * cfg.page_size:,}", per,
                  bf16, bf16 / per, b.device / 2**20, num_layers * b.device / 2**20,
-                 num_layers, "all" if cfg.budget_tokens < 0 else cfg.budget_tokens,
-                 cfg.max_seqs)
+                 num_layers, cfg.max_seqs, num_layers * cfg.max_seqs * slot / 2**20,
+                 "taken out of vLLM's explicit KV budget" if self.budgeted
+                 else "within the pool vLLM sized",
+                 "all" if cfg.budget_tokens < 0 else cfg.budget_tokens)
+        share = cfg.max_seqs * slot / (cfg.pool_pages * cfg.page_size * cfg.num_kv_heads * per)
+        if share > 0.5:  # vLLM's default max_num_seqs (128 to 1,024) on a small budget
+            log.warning("HiSparse bridge: the slots of --max-num-seqs %d take %.0f%% of the "
+                        "KV cache's memory; set it to the sequences you serve for more "
+                        "tokens", cfg.max_seqs, 100 * share)
 
     def counters(self) -> dict:
         out = dict(self.slots.counters) if self.slots else {}
         out.update({f"dlpack_{k}": v for k, v in dlpack.stats().items()})
         out["layers"] = len(self.layers)
+        # held now: slots with a request, and slots with staged exact K/V in any layer
+        out["slots_in_use"] = self.slots.in_use() if self.slots else 0
+        out["staged_slots"] = len({s for lc in self.layers.values() for s in lc.staged})
         out.update({f"seconds_{k}": round(v, 3) for k, v in self.seconds.items()})
         return out
 
@@ -158,25 +220,66 @@ def counters() -> dict:
 
 # ---------------------------------------------------------------- spec
 
-def content_bytes(spec, max_model_len: int | None) -> int:
-    """Bytes per (KV head, token) for vLLM's block pool: HiSparse's device bytes per
-    token at max_model_len (`runtime.bytes_per_token_per_head`), rounded up to an
-    even number (vLLM views the pool in the model dtype)."""
-    cfg = rt.make_config(num_kv_heads=spec.num_kv_heads, num_heads=spec.num_kv_heads,
-                         head_dim=spec.head_size, page_size=spec.block_size,
-                         max_model_len=max_model_len or 131072, max_seqs=1,
-                         overrides=rt.config_overrides())
-    return rt.vllm_content_bytes(cfg)
+GiB = 2**30
+# vLLM's explicit KV budget, which the bridge takes the slots' tiers out of
+BUDGET_FLAGS = "--kv-cache-memory-bytes / VLLM_CPU_KVCACHE_SPACE"
 
 
-_MODEL: dict = {}  # max_model_len, recorded when the impls are built (under vLLM's config)
+def spec_config(spec, max_model_len: int | None, max_seqs: int = 1):
+    """The HiSparse config a layer's spec implies (num_heads does not change bytes)."""
+    return rt.make_config(num_kv_heads=spec.num_kv_heads, num_heads=spec.num_kv_heads,
+                          head_dim=spec.head_size, page_size=spec.block_size,
+                          max_model_len=max_model_len or 131072, max_seqs=max_seqs,
+                          overrides=rt.config_overrides())
+
+
+def content_bytes(spec, max_model_len: int | None, max_seqs: int | None = None,
+                  budget: int | None = None, num_layers: int | None = None) -> int:
+    """Bytes per (KV head, token) for vLLM's block pool, an even number (vLLM views
+    the pool in the model dtype).
+
+    With vLLM's KV budget known at start (`kv_cache_memory_bytes`: an explicit
+    budget) and max_seqs, the smallest at which the block pool that budget buys
+    also pays for max_seqs slots' bf16/fp8 tiers (`runtime.budget_content_bytes`),
+    so the bridge's total stays within the budget; if what is left could not hold
+    one max_model_len sequence, a one-line ValueError naming --max-num-seqs.
+    Otherwise (a budget vLLM measures after this), HiSparse's device bytes per
+    token of one max_model_len sequence, its tiers spread over its context
+    (`runtime.vllm_content_bytes`); the builder checks the slots then."""
+    if not (max_seqs and budget and num_layers):
+        return rt.vllm_content_bytes(spec_config(spec, max_model_len))
+    cfg = spec_config(spec, max_model_len, max_seqs)
+    c = rt.budget_content_bytes(cfg, budget, num_layers)
+    if c is None:
+        slot = rt.state_parts(cfg)[0]
+        fit = rt.max_seqs_within(
+            cfg, lambda x: rt.budget_content_bytes(x, budget, num_layers) is not None)
+        need = max_seqs * slot * num_layers
+        raise ValueError(
+            f"HiSparse bridge: --max-num-seqs {max_seqs} needs {need:,} B ({need / GiB:.2f} "
+            f"GiB: {slot:,} B of bf16/fp8 tiers per slot per layer, {num_layers} layers) "
+            f"outside vLLM's block pool, which leaves too little of vLLM's KV budget of "
+            f"{budget:,} B ({budget / GiB:.2f} GiB, {BUDGET_FLAGS}) for one "
+            f"{max_model_len:,}-token sequence; the largest --max-num-seqs that fits is {fit}")
+    return c
+
+
+_MODEL: dict = {}  # from vLLM's config when the impls are built (the spec is sized later)
 
 
 def _record_model_config():
     from vllm.config import get_current_vllm_config_or_none
     vc = get_current_vllm_config_or_none()
-    if vc is not None and vc.model_config is not None:
-        _MODEL["max_model_len"] = vc.model_config.max_model_len
+    if vc is None or vc.model_config is None:
+        return
+    mc = vc.model_config
+    _MODEL["max_model_len"] = mc.max_model_len
+    _MODEL["max_num_seqs"] = getattr(vc.scheduler_config, "max_num_seqs", None)
+    _MODEL["kv_budget"] = getattr(vc.cache_config, "kv_cache_memory_bytes", None)
+    try:  # attention layers on this device (one: the builder refuses parallelism)
+        _MODEL["num_layers"] = mc.get_num_layers_by_block_type(vc.parallel_config, "attention")
+    except Exception:  # noqa: BLE001  (a stand-in config: no budget accounting)
+        _MODEL["num_layers"] = None
 
 
 def customize_spec(spec):
@@ -189,7 +292,55 @@ def customize_spec(spec):
     if mml is None:
         log.warning("HiSparse bridge: max_model_len unknown when sizing the KV cache; "
                     "using the long-context figure")
-    return dataclasses.replace(spec, state_content_bytes=content_bytes(spec, mml))
+    args = (_MODEL.get("max_num_seqs"), _MODEL.get("kv_budget"), _MODEL.get("num_layers"))
+    BRIDGE.budgeted = all(args)
+    return dataclasses.replace(spec, state_content_bytes=content_bytes(spec, mml, *args))
+
+
+# ---------------------------------------------------------------- start-up checks, hooks
+
+# The extra that brings JAX's CUDA build (pyproject.toml; README, docs/vllm.md)
+CUDA_INSTALL = 'pip install "hisparse[vllm,cuda12]"'
+
+
+def check_jax_device(device) -> None:
+    """vLLM on CUDA needs JAX on the GPU too: a CPU-only jaxlib cannot take vLLM's CUDA
+    tensors and would fail at the first forward, so refuse at start."""
+    if torch.device(device).type != "cuda":
+        return
+    import jax
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise RuntimeError(f"HiSparse bridge: vLLM runs on CUDA but JAX's default backend "
+                           f"is {backend!r} (a CPU-only jaxlib?); install JAX's CUDA build: "
+                           f"{CUDA_INSTALL}")
+
+
+def install_finish_hook() -> bool:
+    """Have vLLM's worker tell the bridge each step's scheduler output before it runs
+    the step (`_Bridge.on_schedule`: finished, aborted and preempted requests free
+    their slots and staged K/V). The attention builder never sees request ids or
+    finished requests, so the bridge wraps `Worker.execute_model` (vLLM 0.32 and
+    0.33: the CPU worker's and the GPU worker's, either model runner). Idempotent;
+    False (and a warning) where vLLM has no such method."""
+    from vllm.v1.worker.gpu_worker import Worker
+    run = getattr(Worker, "execute_model", None)
+    if run is None:
+        log.warning("HiSparse bridge: vLLM's Worker has no execute_model; a request that "
+                    "never decodes keeps its slot until the slot is reused")
+        return False
+    if getattr(run, "_hisparse", False):
+        return True
+
+    @functools.wraps(run)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if scheduler_output is not None:
+            BRIDGE.on_schedule(scheduler_output)
+        return run(self, scheduler_output, *args, **kwargs)
+
+    execute_model._hisparse = True
+    Worker.execute_model = execute_model
+    return True
 
 
 # ---------------------------------------------------------------- metadata
@@ -230,13 +381,18 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
                                               kv_cache_spec.head_size):
             raise ValueError(f"the HiSparse bridge needs the value head size equal to the "
                              f"key's ({kv_cache_spec.head_size_v} != {kv_cache_spec.head_size})")
+        check_jax_device(device)
         BRIDGE.configure(
             num_kv_heads=kv_cache_spec.num_kv_heads,
             num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
             head_dim=kv_cache_spec.head_size, page_size=kv_cache_spec.block_size,
             max_model_len=mc.max_model_len,
             max_seqs=vllm_config.scheduler_config.max_num_seqs, num_layers=len(layer_names))
-        BRIDGE.log_capacity(getattr(cc, "num_gpu_blocks", None))
+        BRIDGE.content_bytes = kv_cache_spec.state_content_bytes
+        num_blocks = getattr(cc, "num_gpu_blocks", None)
+        BRIDGE.check_budget(num_blocks, kv_cache_spec, len(layer_names))
+        BRIDGE.log_capacity(num_blocks)
+        install_finish_hook()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> HiSparseMetadata:

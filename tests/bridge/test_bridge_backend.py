@@ -178,6 +178,166 @@ def test_spec_is_sized_by_hisparse_bytes(vllm_config):
         assert backend.customize_spec(SPEC) == spec
 
 
+GiB = 2**30
+
+
+def budget_config(vllm_config, max_num_seqs, budget):
+    """vLLM's config with an explicit KV budget (--kv-cache-memory-bytes;
+    VLLM_CPU_KVCACHE_SPACE sets the same field) and --max-num-seqs."""
+    if VLLM_033:  # the stand-in: what _record_model_config reads from a real one
+        vc = fake_config()
+        vc.scheduler_config.max_num_seqs = max_num_seqs
+        vc.cache_config.kv_cache_memory_bytes = budget
+        vc.model_config.get_num_layers_by_block_type = lambda pc, kind: 30
+        return vc
+    return VllmConfig(model_config=vllm_config.model_config,
+                      cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False,
+                                               kv_cache_memory_bytes=budget),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                       max_model_len=2048,
+                                                       is_encoder_decoder=False))
+
+
+def budget_context(vc, monkeypatch):
+    if VLLM_033:  # no current config on 0.33 here: record what a real one gives
+        monkeypatch.setattr(vb, "_MODEL", {
+            "max_model_len": 2048, "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "kv_budget": vc.cache_config.kv_cache_memory_bytes, "num_layers": 30})
+        return contextlib.nullcontext()
+    return set_current_vllm_config(vc)
+
+
+# SmolLM2 (30 layers) at max_model_len 2048 with a 1 GiB budget: a slot's tiers take
+# 268,165 B a layer; 131 slots leave room for one 2K sequence. 128 and 256 are vLLM's
+# CPU defaults (server, LLM class).
+@pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (128, True), (131, True),
+                                                (132, False), (256, False)])
+def test_spec_takes_the_slots_out_of_an_explicit_budget(vllm_config, bridge, monkeypatch,
+                                                        max_num_seqs, fits):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would set the budget
+    vc = budget_config(vllm_config, max_num_seqs, GiB)
+    with budget_context(vc, monkeypatch):
+        if not fits:
+            with pytest.raises(ValueError) as e:
+                vb.HiSparseBackend.customize_spec(SPEC)
+            msg = str(e.value)
+            assert "\n" not in msg and msg.startswith(
+                f"HiSparse bridge: --max-num-seqs {max_num_seqs} needs "
+                f"{max_num_seqs * 268_165 * 30:,} B")
+            assert "KV budget of 1,073,741,824 B" in msg and "VLLM_CPU_KVCACHE_SPACE" in msg
+            assert msg.endswith("the largest --max-num-seqs that fits is 131")
+            return
+        spec = vb.HiSparseBackend.customize_spec(SPEC)
+    assert bridge.budgeted
+    c = spec.state_content_bytes
+    blocks = GiB // (30 * spec.page_size_bytes)  # vLLM's division
+    cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=BS,
+                         max_model_len=2048, max_seqs=max_num_seqs, num_blocks=blocks)
+    from hisparse_jax import layout
+    assert 30 * layout.state_bytes(cfg).device <= 30 * blocks * spec.page_size_bytes <= GiB
+    assert c == rt.budget_content_bytes(cfg, GiB, 30) and c % 2 == 0
+    # without a budget (vLLM measures it later): the per-token figure, checked at start
+    assert vb.content_bytes(SPEC, 2048, max_num_seqs) == 108
+
+
+# vLLM measured its budget after the spec was sized (108 B per token per KV head at
+# max_model_len 2048) and made 2,000 blocks: 8 slots fit beside that pool, 9 do not.
+@pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (9, False), (128, False)])
+def test_builder_refuses_slots_past_the_pool_vllm_sized(bridge, max_num_seqs, fits):
+    vc = fake_config()
+    vc.scheduler_config.max_num_seqs = max_num_seqs
+    vc.cache_config.num_gpu_blocks = 2000
+    spec = dataclasses.replace(SPEC, state_content_bytes=108)
+    layers = [f"l{i}" for i in range(30)]
+    if fits:
+        vb.HiSparseMetadataBuilder(spec, layers, vc, torch.device("cpu"))
+        return
+    with pytest.raises(ValueError) as e:
+        vb.HiSparseMetadataBuilder(spec, layers, vc, torch.device("cpu"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"HiSparse bridge: --max-num-seqs {max_num_seqs} ")
+    assert "the largest --max-num-seqs that fits is 8" in msg and "--kv-cache-memory-bytes" in msg
+
+
+@pytest.mark.parametrize("device, jax_backend, refused", [
+    ("cuda", "cpu", True),     # vLLM on a GPU, jax[cpu]: it would fail at the first forward
+    ("cuda", "gpu", False),
+    ("cpu", "cpu", False),
+])
+def test_builder_refuses_cuda_with_a_cpu_only_jax(bridge, monkeypatch, device, jax_backend,
+                                                   refused):
+    import jax
+    monkeypatch.setattr(jax, "default_backend", lambda: jax_backend)
+
+    def make():
+        return vb.HiSparseMetadataBuilder(SPEC, ["l0"], fake_config(), torch.device(device))
+    if not refused:
+        make()
+        return
+    with pytest.raises(RuntimeError) as e:
+        make()
+    msg = str(e.value)
+    assert "\n" not in msg and "CUDA" in msg and "'cpu'" in msg
+    assert msg.endswith('pip install "hisparse[vllm,cuda12]"')
+
+
+def new_request(req_id, blocks):
+    from vllm.v1.core.sched.output import NewRequestData
+    return NewRequestData(req_id=req_id, prompt_token_ids=None, mm_features=[],
+                          sampling_params=None, pooling_params=None, block_ids=(blocks,),
+                          num_computed_tokens=0, lora_request=None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_finished_requests_free_their_slots_and_staged_kv(vllm_config, bridge, monkeypatch,
+                                                          backend):
+    """A request that never decodes: `a` prefilled whole (max_tokens 1: vLLM samples its
+    one token from the prefill) and `b` aborted after its first prefill chunk. When
+    vLLM's scheduler output says they finished, their slots and staged K/V go before
+    the step runs, and a new request gets a slot and exact attention."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_worker import Worker
+    seen = []
+    # vLLM's real Worker class, its step stubbed: the bridge's hook wraps what is there
+    monkeypatch.setattr(Worker, "execute_model", lambda self, so: seen.append(so) or "ran")
+    assert vb.install_finish_hook() and vb.install_finish_hook()  # idempotent
+    g = torch.Generator().manual_seed(1)
+    blocks = {"a": [5, 9, 2, 40], "b": [7, 3, 11, 12], "c": [8, 4]}
+    with config_context(vllm_config):
+        builder = backend.get_builder_cls()(SPEC, ["l0"], vllm_config, torch.device("cpu"))
+        impl = backend.get_impl_cls()(HQ, D, D ** -0.5, HKV, None, None, "auto")
+    layer = types.SimpleNamespace(layer_name="l0")
+    kv_cache = torch.zeros(NUM_BLOCKS, HKV, BS, 2 * D, dtype=torch.bfloat16)
+
+    def step(reqs, new=(), finished=()):
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [new_request(r, blocks[r]) for r in new]
+        so.finished_req_ids = set(finished)
+        assert Worker.execute_model(object(), so) == "ran" and seen[-1] is so
+        if not reqs:
+            return None
+        m = common([(0, n, blocks[r]) for r, n in reqs])
+        t = m.num_actual_tokens
+        q = torch.randn(t, HQ, D, generator=g).bfloat16()
+        k, v = (torch.randn(t, HKV, D, generator=g).bfloat16() for _ in range(2))
+        out = torch.empty(t, HQ * D, dtype=torch.bfloat16)
+        impl.forward(layer, q, k, v, kv_cache, builder.build(0, m), out)
+        return q, k, v, out
+
+    step([("a", 50), ("b", 32)], new=("a", "b"))
+    lc = bridge.layers["l0"]
+    assert len(lc.staged) == 2 and bridge.slots.in_use() == 2
+    step([], finished=("a", "b"))  # no tokens: vLLM's step that only reports them
+    c = vb.counters()
+    assert not lc.staged and c["staged_slots"] == 0 and c["slots_in_use"] == 0
+    assert c["released_finished"] == 2 and not bridge.first_block
+    q, k, v, out = step([("c", 20)], new=("c",))
+    c = vb.counters()
+    assert c["slots_in_use"] == 1 and c["evicted_lru"] == c["released_stale"] == 0
+    torch.testing.assert_close(out.view(-1, HQ, D).double(), dense_ref(q, k, v, torch.arange(20)),
+                               atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_configuration(backend):
     """vLLM's own validate_configuration (0.32 and 0.33 take the same arguments)."""

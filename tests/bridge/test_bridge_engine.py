@@ -8,7 +8,9 @@ the same engine with its own attention (CPU_ATTN), same model, same prompts:
   of 480 tokens per KV head (1/16 of the context), with chunked prefill on;
 - vLLM's own "KV cache size: N tokens" grows by the factor HiSparse's layout
   predicts, at the same VLLM_CPU_KVCACHE_SPACE;
-- the bridge logs its capacity line once and crosses torch/JAX without copies.
+- the bridge logs its capacity line once and crosses torch/JAX without copies;
+- a request that never decodes (max_tokens 1) leaves no staged K/V and frees its slot
+  once vLLM reports it finished, as every finished request does.
 
 Two engine runs (one each), about 4-5 minutes on 2 cores in all.
 """
@@ -41,9 +43,12 @@ def _prompts():
              for q in wl.CHAT_QUESTIONS]
     pk = [{"prompt": wl.passkey(wl.FILLERS_7K5, d, k), "max_tokens": 8}
           for d, k in zip(DEPTHS, keys)]
-    # Two generate calls: the short prompts alone first, so that both engines batch
-    # them the same way (vLLM's own rounding depends on the batch), then the passkeys.
-    return {"groups": [short, pk]}, keys
+    # One token: sampled from the prefill, so the request never reaches a decode step.
+    one = [{"prompt": wl.chat(wl.CHAT_QUESTIONS[0]), "max_tokens": 1}]
+    # Three generate calls: the short prompts alone first, so that both engines batch
+    # them the same way (vLLM's own rounding depends on the batch), then the one-token
+    # request, then the passkeys (vLLM reports a request finished in its next step).
+    return {"groups": [short, one, pk]}, keys
 
 
 def _run(tmp, name, model, env, extra):
@@ -102,11 +107,12 @@ def test_greedy_tokens_equal_cpu_attn(runs):
 def test_passkey_answered_as_dense(runs):
     dense, hs = runs
     _, keys = _prompts()
-    n = len(wl.CHAT_QUESTIONS)
+    n = len(wl.CHAT_QUESTIONS) + 1  # the passkeys follow the short and one-token groups
     d_hits = [wl.passkey_hit(k, o["text"]) for k, o in zip(keys, dense["outputs"][n:])]
     h_hits = [wl.passkey_hit(k, o["text"]) for k, o in zip(keys, hs["outputs"][n:])]
     print("passkey hits dense", d_hits, "hisparse", h_hits,
           [o["text"] for o in hs["outputs"][n:]])
+    assert len(d_hits) == len(h_hits) == len(DEPTHS)
     assert all(o["prompt_tokens"] > 7400 for o in hs["outputs"][n:])
     assert sum(d_hits) >= 1
     assert h_hits == d_hits
@@ -118,7 +124,10 @@ def test_capacity_grows_by_the_predicted_factor(runs):
     cfg = rt.make_config(num_kv_heads=3, num_heads=9, head_dim=64, page_size=16,
                          max_model_len=MAX_MODEL_LEN, max_seqs=8,
                          overrides={"budget_tokens": BUDGET})
-    predicted = rt.predicted_capacity_factor(cfg)
+    # the bytes per token that leave room for the 8 slots' tiers in the 1 GiB budget
+    # (VLLM_CPU_KVCACHE_SPACE=1) over SmolLM2's 30 layers
+    predicted = rt.predicted_capacity_factor(
+        cfg, content_bytes=rt.budget_content_bytes(cfg, 2**30, 30))
     print(f"vLLM KV cache: {d_tokens:,} tokens (CPU_ATTN) -> {h_tokens:,} (HiSparse): "
           f"{h_tokens / d_tokens:.3f}x, layout predicts {predicted:.3f}x")
     # whole blocks: vLLM's 128-token blocks and our 16-token ones round the counts
@@ -131,8 +140,21 @@ def test_bridge_logged_once_and_crossed_without_copies(runs):
     lines = [x for x in hs["log"].splitlines() if "HiSparse bridge:" in x and "blocks x" in x]
     assert len(lines) == 1, lines
     assert "budget 480 cold tokens" in lines[0]
+    assert "8 slots' tiers 62.0 MiB (taken out of vLLM's explicit KV budget)" in lines[0]
     c = hs["bridge"]
     assert c["layers"] == 30
-    assert c["converted"] == len(hs["outputs"])
+    assert c["converted"] == len(hs["outputs"]) - 1  # all but the one-token request
     assert c["dlpack_to_jax_copies"] == 0 and c["dlpack_to_torch_copies"] == 0
     assert c["dlpack_to_jax"] > 0 and c["released_stale"] + c["evicted_lru"] <= c["requests"]
+
+
+def test_a_request_that_never_decodes_frees_its_slot_and_staged_kv(runs):
+    """vLLM reports a finished request in its next step, so every request but the
+    last group's (the passkeys) was reported before the run ended: all freed their
+    slots then, the one-token request's staged K/V with it."""
+    _, hs = runs
+    c = hs["bridge"]
+    assert len(hs["outputs"][len(wl.CHAT_QUESTIONS)]["token_ids"]) == 1
+    assert c["released_finished"] >= len(hs["outputs"]) - len(DEPTHS)
+    assert c["staged_slots"] == 0 and c["slots_in_use"] <= len(DEPTHS)
+    assert c["evicted_lru"] == 0  # never needed: finished requests' slots were free

@@ -220,6 +220,65 @@ def test_finished_slot_is_reclaimed_and_prefix_hits_refused():
         table.plan(qsl, sl, bt, 1, 8)
 
 
+def test_a_finished_request_frees_its_slot_and_staged_kv():
+    """A request that never decodes (max_tokens 1, or aborted mid-prefill): when vLLM
+    says it finished, its slot and staged exact K/V go at once, and the slot serves
+    the next request exactly."""
+    _, table, layer, fake = setup(max_seqs=2)
+    fake.start("a", 60)
+    run_step(table, layer, fake, [("a", 40)])  # a first prefill chunk: staged, then done
+    first, (slot,) = fake.reqs["a"]["blocks"][0], layer.staged
+    assert table.in_use() == 1
+    assert table.finish(first) == slot
+    layer.release(slot)
+    assert not layer.staged and table.in_use() == 0
+    assert table.counters["released_finished"] == 1
+    assert table.finish(first) is None  # told twice, or a request that never ran
+    fake.finish("a")
+    fake.start("b", 30)
+    got, want, plan = run_step(table, layer, fake, [("b", 30)])
+    assert plan.reqs[0].slot == slot and not plan.releases
+    assert rel(got, want) < 2e-2
+
+
+# SmolLM2's shapes (3 KV heads of 64, 30 layers) at max_model_len 8192: each slot
+# holds 270,853 B of tiers and page-table row in every layer, whatever the pool.
+# content: bytes per (token, KV head) for vLLM's pool (None: refused); most: the
+# largest max_seqs up to this one that the budget takes
+@pytest.mark.parametrize("max_seqs, budget_gib, content, most", [
+    (8, 1, 90, 8),          # the docs' commands: the 90 B the per-token figure gives
+    (8, 2, 88, 8),          # a bigger budget spreads the slots thinner
+    (124, 1, 1378, 124),    # the most slots that leave 1 GiB room for one 8K sequence
+    (125, 1, None, 124),
+    (128, 1, None, 124),    # vLLM's CPU server default, at VLLM_CPU_KVCACHE_SPACE=1
+    (128, 2, 164, 128),
+    (1024, 2, None, 256),   # vLLM's default on a big GPU
+    (1024, 8, 2700, 1024),
+])
+def test_slots_are_taken_out_of_an_explicit_budget(max_seqs, budget_gib, content, most):
+    from hisparse_jax import layout
+    cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
+                         max_model_len=8192, max_seqs=max_seqs)
+    budget, layers = budget_gib * 2**30, 30
+    assert rt.state_parts(cfg)[0] == 270_853
+    c = rt.budget_content_bytes(cfg, budget, layers)
+    assert c == content
+    assert rt.max_seqs_within(cfg, lambda x: rt.budget_content_bytes(x, budget, layers)) \
+        == most
+    if c is None:
+        return
+    per_block = PG * HKV * c  # one layer's block at c bytes per (token, KV head)
+    blocks = budget // (layers * per_block)  # vLLM's own division
+    # JAX's states (slots and a pool page per block) within what vLLM allocates ...
+    total = layers * layout.state_bytes(cfg.replace(num_pool_pages=blocks)).device
+    assert total <= layers * blocks * per_block <= budget
+    assert blocks - 1 >= cfg.max_pages  # ... which holds one 8K sequence (+ a null block)
+    # and c is the least that does: 2 B less per token would not hold the slots
+    fewer = budget // (layers * PG * HKV * (c - 2))
+    assert (layers * layout.state_bytes(cfg.replace(num_pool_pages=fewer)).device
+            > layers * fewer * PG * HKV * (c - 2))
+
+
 def test_pool_ids_follow_append_order():
     cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
                          max_model_len=4096, max_seqs=2)
