@@ -53,7 +53,7 @@ CASES = [
     Case(100, 576, 1536, layers=2, layer=1), # w_down, a partial last group
     Case(33, 48, 64),                        # three groups (one unpaired), one tile and a half
     Case(515, 80, 96, scale=1e3),            # nine blocks of 64 rows, the last of 3
-    Case(128, 192, 576, layers=30, layer=7), # wk at KERNEL_MAX_ROWS
+    Case(128, 192, 576, layers=30, layer=7), # wk, a 128-row block
 ]
 
 
