@@ -127,6 +127,8 @@ def test_prompt_too_long(model):
         generate(m, tok, [5] * 9000)
     with pytest.raises(ValueError, match="prompt of 300 tokens does not fit max_context=256"):
         generate(m, tok, [5] * 300, engine=Engine(m, max_context=256, attention="dense"))
+    with pytest.raises(ValueError, match="max_context=8208: past the model's 8192 trained"):
+        generate(m, tok, [5] * 10, max_context=8208)
 
 
 def test_passkey_through_sparse_selection(model):

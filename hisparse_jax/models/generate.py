@@ -194,7 +194,13 @@ def generate(model: Llama, tokenizer: Tokenizer | None, prompt, *, max_tokens: i
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     if engine is None:
-        limit = model.cfg.max_position if max_context is None else max_context
+        trained = model.cfg.max_position
+        if max_context is not None and max_context > trained:
+            # as the CLI and `serve` refuse it: trained weights answer garbage past it
+            raise ValueError(f"max_context={max_context}: past the model's {trained} trained "
+                             "positions; extend them with rope scaling (registry.load("
+                             "..., rope_scaling=...)) or pass an Engine built for it")
+        limit = trained if max_context is None else max_context
         if len(ids) >= limit:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the max context of "
                              f"{limit} tokens")
