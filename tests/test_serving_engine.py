@@ -69,6 +69,50 @@ def test_a_prompts_last_block_is_padded_as_a_short_prompt(n, start, rows):
     assert Engine.block_length(n, start) == rows
 
 
+@pytest.mark.parametrize("attention", ["hisparse", "dense"])
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_a_batch_of_short_prompts_equals_each_alone(model, attention, implementation):
+    """Bit-equal, not close: four prompts of 5-64 tokens (all padded to 64) in one
+    program, in slots 0-3 out of order, against each prefilled alone in slots 4-7;
+    then all eight decode together and each pair stays equal. Greedy and seeded
+    sampling mixed."""
+    m, tok = model
+    eng = Engine(m, max_seqs=8, max_context=512, attention=attention,
+                 implementation=implementation, budget_tokens=64)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, m.cfg.vocab_size, n) for n in (40, 5, 64, 17)]
+    samplings = [GREEDY, SamplingParams(temperature=0.8, seed=5), GREEDY,
+                 SamplingParams(temperature=1.0, top_p=0.9, seed=1)]
+    slots = [2, 0, 3, 1]
+    alone = []
+    for i, (ids, sp) in enumerate(zip(prompts, samplings)):
+        alone.append((eng.prefill(4 + i, ids, sp), np.asarray(eng.logits)))
+    toks = eng.prefill_batch(slots, prompts, samplings)
+    logits = np.asarray(eng.logits)
+    for i, (first, lg) in enumerate(alone):
+        assert toks[i] == first
+        np.testing.assert_array_equal(logits[i], lg)
+        assert eng.lens[slots[i]] == eng.lens[4 + i] == len(prompts[i])
+    for _ in range(3):
+        nxt = eng.decode_step()
+        lg = np.asarray(eng.logits)
+        for i, slot in enumerate(slots):
+            assert nxt[slot] == nxt[4 + i]
+            np.testing.assert_array_equal(lg[slot], lg[4 + i])
+
+
+def test_a_batch_refuses_prompts_that_pad_apart(model):
+    m, _ = model
+    eng = Engine(m, max_seqs=4, max_context=512, attention="dense")
+    ten, hundred = [5] * 10, [5] * 100
+    with pytest.raises(ValueError, match="do not pad to one length"):
+        eng.prefill_batch([0, 1], [ten, hundred], [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="repeat"):
+        eng.prefill_batch([1, 1], [ten, ten], [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="as many slots"):
+        eng.prefill_batch([0, 1], [ten], [GREEDY])
+
+
 class Collect:
     def __init__(self):
         self.events = []
@@ -122,6 +166,35 @@ def test_scheduler_interleaves_long_prefill_with_decodes(model, long_ids):
     sched.cancel(rd)
     sched.step()
     assert d.finish.reason == "abort" and sched.running() == 0 and eng.lens[0] == 0
+
+
+def test_scheduler_prefills_short_prompts_together(model):
+    """Five prompts waiting at once: the first four, of 64 rows, are prefilled in one
+    program; the fifth pads to 128 rows, which ends the run (FIFO), and goes alone
+    in the same step. Each answer equals the prompt served alone, and the pool's
+    pages all come back."""
+    m, tok = model
+    eng = Engine(m, max_seqs=6, max_context=1024)
+    sched = Scheduler(eng, tok)
+    texts = ["The capital of France is", "Once upon a time", "def fib(n):",
+             "1, 2, 3, 4,", "The grass is green. " * 14]  # the last pads to 128 rows
+    reqs = [Request(tok.encode(t), 6, GREEDY, Collect()) for t in texts]
+    batches = []
+    real = eng.prefill_batch
+    eng.prefill_batch = lambda slots, *a: batches.append(list(slots)) or real(slots, *a)
+    for r in reqs:
+        sched.submit(r)
+    sched.step()
+    assert batches == [[0, 1, 2, 3]] and all(len(r.sink.ids) == 2 for r in reqs)
+    while sched.running():
+        sched.step()
+    for r in reqs:
+        eng.prefill(5, r.ids)
+        alone = [int(eng.tokens[5])] + [int(eng.decode_step(np.arange(6) == 5)[5])
+                                        for _ in range(5)]
+        eng.release(5)
+        assert r.sink.ids == alone and r.sink.finish.reason == "length"
+    assert eng.num_free == eng.cache_cfg.pool_pages
 
 
 @pytest.mark.parametrize("slo, deferred", [(None, False), (1e6, False), (1e-9, True)])

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import state as st
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
 from hisparse_jax.models.generate import TextStream
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.validate import check_int, check_number
@@ -133,6 +133,11 @@ class Request:
 _ids = itertools.count()
 MAX_PREFIXES = 8  # pinned contexts (each holds its bf16 K/V on the device)
 IDLE_WAIT_S = 0.05  # a step that found nothing to do waits this long, or for news
+# Waiting prompts that pad to this many rows or fewer are prefilled together, 2, 4
+# or 8 in one program (`Engine.prefill_batch`): each such prompt alone pays a
+# program's fixed cost for a few rows of work. Powers of two: three programs.
+BATCH_PROMPT_ROWS = 64
+BATCH_SIZES = (8, 4, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +335,11 @@ class Scheduler:
                 break
             if self._defer((start, cost, start + PREFILL_CHUNK >= n), decoding):
                 break
+            if not self.prefilling and cost <= BATCH_PROMPT_ROWS:
+                batched = self._prefill_batch(self.prefill_budget - spent, decoding)
+                if batched:
+                    spent += batched
+                    continue
             if not self.prefilling and not self._admit():
                 break  # the head waits for pages
             slot = self.prefilling[0]
@@ -353,7 +363,7 @@ class Scheduler:
                 seq.decoding = True
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(n)
-                if self._nonfinite(np.arange(eng.max_seqs) == slot, prefill=True)[slot]:
+                if self._nonfinite(np.arange(eng.max_seqs) == slot, rows=[slot])[slot]:
                     self._finish(slot, "error", NONFINITE)
                 elif seq.req.prewarm is not None:
                     self._pin(slot, seq)
@@ -377,6 +387,54 @@ class Scheduler:
             self._gauges()
         self._cache_metrics(live)
         return bool(spent or live.any())
+
+    def _prefill_batch(self, budget: int, decoding: list[_Seq]) -> int:
+        """Prefill the queue's head and the short prompts right behind it in one
+        program (FIFO, as many as the free slots, `budget` prompt rows and the pool
+        allow, in a batch of BATCH_SIZES), and emit their first tokens. The rows
+        it spent (0: fewer than two could go, nothing was done)."""
+        eng = self.engine
+        if eng.offload:
+            return 0
+        with self.cond:
+            fit = 0
+            for r in itertools.islice(self.waiting, min(self.slots.count(None),
+                                                        budget // BATCH_PROMPT_ROWS)):
+                if r.prewarm is not None or prefill_length(len(r.ids)) > BATCH_PROMPT_ROWS:
+                    break
+                fit += 1
+        size = next((b for b in BATCH_SIZES if b <= fit), 0)
+        key = (0, size * BATCH_PROMPT_ROWS, True)
+        if not size or self._defer(key, decoding):
+            return 0
+        slots = []
+        while len(slots) < size and self._admit():
+            slots.append(self.prefilling[-1])
+        size = next((b for b in BATCH_SIZES if b <= len(slots)), 0)
+        if not size:
+            return 0  # the one admitted (if any) goes on alone from self.prefilling
+        slots = slots[:size]
+        seqs = [self.slots[s] for s in slots]
+        for slot, seq in zip(slots, seqs):
+            seq.resumed = True
+            self._reuse_prefix(slot, seq)  # counts its lookup (no pinned prefix is this short)
+        t = time.perf_counter()
+        toks = eng.prefill_batch(slots, [q.req.ids for q in seqs], [q.req.sampling for q in seqs])
+        if self.tpot_slo is not None:
+            eng.logits.block_until_ready()
+            self.block_s[key] = time.perf_counter() - t
+        bad = self._nonfinite(np.isin(np.arange(eng.max_seqs), slots), rows=slots)
+        for i, (slot, seq, tok) in enumerate(zip(slots, seqs, toks)):
+            self.prefilling.remove(slot)
+            seq.decoding = True
+            seq.start = len(seq.req.ids)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(seq.req.ids))
+            if bad[slot]:
+                self._finish(slot, "error", NONFINITE)
+            else:
+                self._emit(slot, tok, None if seq.req.logprobs is None else eng.logits[i])
+        return size * BATCH_PROMPT_ROWS
 
     def _admit(self) -> bool:
         """Give the head of the queue the lowest free slot, as its prefill starts
@@ -433,13 +491,16 @@ class Scheduler:
         # after it, a request with g tokens has g + 1: g gaps since its first
         return any((done - s.first) / max(s.generated, 1) > self.tpot_slo for s in decoding)
 
-    def _nonfinite(self, mask: np.ndarray, prefill: bool = False) -> np.ndarray:
+    def _nonfinite(self, mask: np.ndarray, rows: list[int] | None = None) -> np.ndarray:
         """[B] bool: the slots in `mask` whose last logits hold a NaN or inf, or
-        whose cache is poisoned (a non-finite K/V). One small device read."""
+        whose cache is poisoned (a non-finite K/V). One small device read. rows:
+        the slots a prefill's logits belong to, in order ([V] for one, [n, V] for
+        a batch); None for a decode step's [max_seqs, V]."""
         eng = self.engine
         lg = eng.logits
-        ok = jnp.all(jnp.isfinite(lg), axis=-1)
-        ok = jnp.broadcast_to(ok, (eng.max_seqs,)) if prefill else ok  # prefill: [V]
+        ok = jnp.all(jnp.isfinite(lg.reshape(-1, lg.shape[-1])), axis=-1)
+        if rows is not None:
+            ok = jnp.ones(eng.max_seqs, bool).at[np.asarray(rows)].set(ok)
         if eng.cache_cfg is not None:
             ok = ok & ~jnp.any(eng.caches.poisoned, axis=0)
         return mask & ~np.asarray(ok)
