@@ -573,12 +573,15 @@ def test_bounded_load_matches_served_alone(load_server, tok, record_property):
     retries = sum(r for _, _, r, _ in results)
     by_kind = collections.Counter(name for name, *_ in results)
     e2e = sorted(s for *_, s in results)
+    batched = int(after.get("hisparse:prefill_batched_prompts_total", 0)
+                  - before.get("hisparse:prefill_batched_prompts_total", 0))
     line = (f"load: {LOAD_CLIENTS} clients, {wall:.1f} s ({LOAD_ISSUE_S} s issuing), "
             f"{n_issued} requests: {len(results)} answered, {len(refused)} over the limit "
             f"(400), {len(lost)} lost; {retries} 503 + Retry-After retries; "
             f"{len(results) / wall:.2f} req/s, {tokens / wall:.2f} output tok/s "
             f"({tokens} tokens); latency median {e2e[len(e2e) // 2]:.1f} s, max "
-            f"{e2e[-1]:.1f} s; served alone first: {alone_s:.1f} s for {len(alone)} requests")
+            f"{e2e[-1]:.1f} s; served alone first: {alone_s:.1f} s for {len(alone)} requests; "
+            f"{batched} prompts prefilled in batches")
     print("\n" + line)
     record_property("load", line)
     assert not lost, lost[:5]

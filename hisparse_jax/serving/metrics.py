@@ -58,6 +58,9 @@ class Metrics:
                                      registry=r),
             "generation_tokens": Counter("hisparse:generation_tokens", "Generated tokens", M,
                                          registry=r),
+            "prefill_batched": Counter("hisparse:prefill_batched_prompts", "Short prompts "
+                                       "prefilled together with others, in one program",
+                                       M, registry=r),
             "prefill_deferred": Counter("hisparse:prefill_blocks_deferred", "Prompt blocks "
                                         "put off because running them beside the decodes "
                                         "would break --tpot-slo-ms", M, registry=r),

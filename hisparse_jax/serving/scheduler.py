@@ -420,6 +420,8 @@ class Scheduler:
             self._reuse_prefix(slot, seq)  # counts its lookup (no pinned prefix is this short)
         t = time.perf_counter()
         toks = eng.prefill_batch(slots, [q.req.ids for q in seqs], [q.req.sampling for q in seqs])
+        if self.metrics is not None:
+            self.metrics.prefill_batched.inc(size)
         if self.tpot_slo is not None:
             eng.logits.block_until_ready()
             self.block_s[key] = time.perf_counter() - t
