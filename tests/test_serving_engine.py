@@ -76,7 +76,7 @@ def test_a_batch_of_short_prompts_equals_each_alone(model, attention, implementa
     program, in slots 0-3 out of order, against each prefilled alone in slots 4-7;
     then all eight decode together and each pair stays equal. Greedy and seeded
     sampling mixed."""
-    m, tok = model
+    m, _ = model
     eng = Engine(m, max_seqs=8, max_context=512, attention=attention,
                  implementation=implementation, budget_tokens=64)
     rng = np.random.default_rng(0)

@@ -135,8 +135,9 @@ def _exact_attention(q, k, v, start, chunk: int, prefill: str):
     """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
     over k, v [S, Hkv, D] (bf16) -> [C, Hq, D] float32, on the AMX kernel (prefill
     "cpu", `config.resolve_prefill`) or in XLA (`attention.causal_query_block`, key
-    blocks of `chunk`, start a multiple of it, C at most `chunk`). Each query's output is the same whatever block it is
-    computed in, so a prompt prefilled block by block gets the numbers of one program."""
+    blocks of `chunk`, start a multiple of it, C at most `chunk`). Each query's
+    output is the same whatever block it is computed in, so a prompt prefilled
+    block by block gets the numbers of one program."""
     if prefill == "cpu":
         return cpu_ops.causal_attention(q, k, v, start)
     if isinstance(start, int):  # a whole prompt (from 0)

@@ -404,7 +404,7 @@ class Scheduler:
                     break
                 fit += 1
         size = next((b for b in BATCH_SIZES if b <= fit), 0)
-        key = (0, size * BATCH_PROMPT_ROWS, True)
+        key = (0, size * BATCH_PROMPT_ROWS, True)  # judged as one prompt of as many rows
         if not size or self._defer(key, decoding):
             return 0
         slots = []
