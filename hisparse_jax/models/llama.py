@@ -170,12 +170,13 @@ MATMUL_MIN_ROWS = 4
 # Products of at most this many rows run on the AMX kernel (products="cpu"): a
 # decode step's, and a short prompt's or a prompt's last block's. Measured on a
 # loaded 2-core AMX Xeon, 2026-12-06, in a 30-layer loop
-# (benchmarks/weight_products.py): the kernel took 0.67-0.86x XLA's time at 64
-# rows, 0.87x at 128, 1.03x at 256, 1.07x at 512 (XLA's packed products win back
-# the layer's copy). Through the engine's prefill, alternating runs: a 40-token
-# prompt (64 rows) 65-76 ms against XLA's 73-85, a 100-token one (128 rows)
-# 114-138 ms against 93-117. Both sum in the same order (bit-equal), so the
-# switch never shows in the numbers.
+# (benchmarks/weight_products.py, two runs): the kernel took 0.66-0.86x XLA's time
+# at 64 rows, 0.87x at 128, 1.03x at 256, 1.07x at 512 (XLA's packed products win
+# back the layer's copy). Through the engine's prefill: a 40-token prompt (64 rows)
+# 0.94x (benchmarks/prefill_lengths.py); a 100-token one (128 rows) 114-138 ms
+# against XLA's 93-117 in a one-off script (three alternating processes each),
+# hence the cut at 64. Both sum in the same order (bit-equal), so the switch never
+# shows in the numbers.
 KERNEL_MAX_ROWS = 64
 
 

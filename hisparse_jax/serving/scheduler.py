@@ -429,7 +429,6 @@ class Scheduler:
         for i, (slot, seq, tok) in enumerate(zip(slots, seqs, toks)):
             self.prefilling.remove(slot)
             seq.decoding = True
-            seq.start = len(seq.req.ids)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(seq.req.ids))
             if bad[slot]:
