@@ -162,21 +162,25 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
                          int4_v_zero, sm_scale=sm_scale, layer=layer)
 
 
-def causal_attention(q, k, v, start, *, sm_scale=None):
+def causal_attention(q, k, v, start, *, sm_scale=None, layer=None):
     """`reference.causal_attention` on AMX tiles (`build.amx_unavailable` says
-    where it runs): q [T, Hq, D] at positions start.., k, v [S, Hkv, D] bf16 ->
-    [T, Hq, D] float32. Within 1e-5 of the float32 reference (its queries split
-    into three bf16 terms, its probabilities into two); a query's output does not
-    depend on the other queries in the call."""
+    where it runs): q [T, Hq, D] at positions start.., k, v [S, Hkv, D] bf16, or
+    k[layer], v[layer] of stacked [L, S, Hkv, D] read in place -> [T, Hq, D]
+    float32. Within 1e-5 of the float32 reference (its queries split into three
+    bf16 terms, its probabilities into two); a query's output does not depend on
+    the other queries in the call."""
     why = build.amx_unavailable()
     if why:
         raise RuntimeError(why)
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
     return jax.ffi.ffi_call("hisparse_causal_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-        jnp.asarray(start, jnp.int32), sm_scale=np.float32(scale))
+        jnp.asarray(layer, jnp.int32), jnp.asarray(start, jnp.int32),
+        sm_scale=np.float32(scale))
 
 
 def matmul_unsupported(rows: int, k: int, n: int) -> str | None:

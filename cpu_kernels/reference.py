@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def causal_attention(q, k, v, start, *, sm_scale=None):
+def causal_attention(q, k, v, start, *, sm_scale=None, layer=None):
     """Exact causal attention of a block of queries over the keys before them, in
     float32: q [T, Hq, D] with query i at position start + i; k, v [S, Hkv, D]
-    (Hq a multiple of Hkv) -> [T, Hq, D], query i over keys 0..min(start+i, S-1).
-    The scaled query is rounded to float32 first, as the prefill's
-    `attention.query_rows` does."""
+    (Hq a multiple of Hkv), or k[layer], v[layer] of stacked [L, S, Hkv, D] ->
+    [T, Hq, D], query i over keys 0..min(start+i, S-1). The scaled query is
+    rounded to float32 first, as the prefill's `attention.query_rows` does."""
+    if layer is not None:
+        k, v = k[layer], v[layer]
     t, hq, d = q.shape
     s, hkv = k.shape[:2]
     scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale

@@ -46,6 +46,7 @@ CASES = [
     Case(100, 90, 0, heads=4, kv_heads=2),                 # the last 10 queries see 90 keys
     Case(33, 300, 200, heads=6, kv_heads=2, head_dim=256),
     Case(70, 130, 45, heads=2, kv_heads=2, sharpness=30.0),
+    Case(45, 120, 60, heads=10, kv_heads=2),               # GQA 5: heads 4 + 1 in lockstep
 ]
 
 
@@ -97,6 +98,31 @@ def test_in_a_jitted_program_with_a_traced_start():
     f = jax.jit(lambda q, k, v, s: ops.causal_attention(q, k, v, s))
     np.testing.assert_array_equal(np.asarray(f(q, k, v, jnp.int32(case.start))),
                                   np.asarray(ops.causal_attention(q, k, v, case.start)))
+
+
+@needs_amx
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_layer_of_a_stack_read_in_place(layer):
+    """k[layer], v[layer] of stacked [L, S, Hkv, D] (the chunked prefill's staged
+    K/V) give the layer's own output bitwise; the other layers hold NaN, so a read
+    of the wrong one shows."""
+    case = CASES[3]
+    q, k, v = make(case)
+    stack = lambda x: jnp.full((3, *x.shape), jnp.nan, x.dtype).at[layer].set(x)
+    f = jax.jit(lambda q, k, v, s, l: ops.causal_attention(q, k, v, s, layer=l))
+    np.testing.assert_array_equal(
+        np.asarray(f(q, stack(k), stack(v), jnp.int32(case.start), jnp.int32(layer))),
+        np.asarray(ops.causal_attention(q, k, v, case.start)))
+    assert np.asarray(reference.causal_attention(q, stack(k), stack(v), case.start,
+                                                 layer=layer)).shape == q.shape
+
+
+@needs_amx
+def test_a_layer_out_of_range_is_refused():
+    case = CASES[3]
+    q, k, v = make(case)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(ops.causal_attention(q, k[None], v[None], case.start, layer=1))
 
 
 @pytest.mark.parametrize("implementation,head_dim,want", [

@@ -131,25 +131,29 @@ def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
     return jax.vmap(lambda s, p: st.stored(f(cfg, st.live(cfg, s), p)))(caches, pages)
 
 
-def _exact_attention(q, k, v, start, chunk: int, prefill: str):
+def _exact_attention(q, k, v, start, chunk: int, prefill: str, layer=None):
     """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
-    over k, v [S, Hkv, D] (bf16) -> [C, Hq, D] float32, on the AMX kernel (prefill
+    over k, v [S, Hkv, D] (bf16), or k[layer], v[layer] of a stack [L, S, Hkv, D]
+    read where it lies (a chunked prefill's staged K/V; slicing a layer out copies
+    all of it every block) -> [C, Hq, D] float32, on the AMX kernel (prefill
     "cpu", `config.resolve_prefill`) or in XLA (`attention.causal_query_block`, key
     blocks of `chunk`, start a multiple of it, C at most `chunk`). Each query's
     output is the same whatever block it is computed in, so a prompt prefilled
     block by block gets the numbers of one program."""
     if prefill == "cpu":
-        return cpu_ops.causal_attention(q, k, v, start)
+        return cpu_ops.causal_attention(q, k, v, start, layer=layer)
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
     if isinstance(start, int):  # a whole prompt (from 0)
-        return att.causal_prefill_attention(q, k, v, chunk=chunk)
-    kv = lambda j: tuple(jax.lax.dynamic_slice_in_dim(s, j * chunk, chunk).astype(jnp.float32)
-                         .transpose(1, 0, 2) for s in (k, v))
+        return att.causal_prefill_attention(q, k[layer], v[layer], chunk=chunk)
+    kv = lambda j: tuple(jax.lax.dynamic_slice(s, (layer, j * chunk, 0, 0), (1, chunk, *s.shape[2:]))[0]
+                         .astype(jnp.float32).transpose(1, 0, 2) for s in (k, v))
     # A prompt's last block may be shorter: its queries are padded back to a whole
     # block here, because XLA's products of fewer rows sum differently (4e-8), which
     # flips bf16 roundings of later layers' K/V (SmolLM2's logits then move by 0.17)
     c = q.shape[0]
     q = jnp.pad(q, ((0, chunk - c), (0, 0), (0, 0)))
-    out = att.causal_query_block(att.query_rows(q, k.shape[1]), kv, start // chunk, chunk)
+    out = att.causal_query_block(att.query_rows(q, k.shape[2]), kv, start // chunk, chunk)
     return att.query_rows_back(out, chunk)[:c]
 
 
@@ -287,7 +291,7 @@ def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, products,
     def attend(stage, layer, q, k, v):
         ks, vs = (jax.lax.dynamic_update_slice(s, x.astype(jnp.bfloat16)[None], (layer, start, 0, 0))
                   for s, x in zip(stage, (k, v)))
-        return _exact_attention(q, ks[layer], vs[layer], start, PREFILL_CHUNK, prefill), (ks, vs)
+        return _exact_attention(q, ks, vs, start, PREFILL_CHUNK, prefill, layer), (ks, vs)
 
     x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend,
                             products=products)
