@@ -12,12 +12,12 @@
 // The queries are scaled by log2(e) as well, so that the softmax runs on 2^x, the
 // cheaper function (its vector work, not the tiles, sets this kernel's pace).
 //
-// On the tiles' pace (benchmarks/causal_kernel_time.py): each tile load, store
-// and product waits for the one before it, so a key block costs its 40 products,
-// 26 loads and 8 stores. The query heads of a KV group go through each key block
-// in lockstep, so that its keys and values come from memory once (0.96x), and each
-// block's P V is summed in zeroed tiles and added to O^T in registers, which saves
-// loading O^T into tiles.
+// A key block of one head takes 40 tile products, 26 tile loads and 8 stores; at
+// this machine's slow moments the loads stop overlapping the products and those
+// set the pace (benchmarks/amx_op_costs.cc). So the query heads of a KV group go
+// through each key block in lockstep, its keys and values read from memory once,
+// and each block's P V is summed in zeroed tiles and added to O^T in registers,
+// which saves loading O^T into tiles (docs/results.md, "AMX prefill attention").
 //
 // Rows are keys and lanes are queries (S^T = K Q^T, O^T = V^T P^T): the online
 // softmax runs down the columns with no horizontal sums, and a query's numbers
