@@ -2,6 +2,8 @@
 // products (four independent accumulators), tile loads and stores from L1, and a
 // 2 x 2 block of products fed by four loads (a GEMM's inner step). The AMX
 // kernels' pace follows from these (cpu_kernels/causal_attention.cc's header).
+// Run two at once under `taskset -c 0` and `taskset -c 1` to see whether the two
+// CPUs share a tile unit (docs/results.md, "AMX prefill attention").
 //
 //   g++ -O2 -march=native -std=c++17 -Icpu_kernels \
 //       -I$(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
