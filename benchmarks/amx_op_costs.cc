@@ -5,9 +5,9 @@
 // Run two at once under `taskset -c 0` and `taskset -c 1` to see whether the two
 // CPUs share a tile unit (docs/results.md, "AMX prefill attention").
 //
-//   g++ -O2 -march=native -std=c++17 -Icpu_kernels \
+//   mkdir -p build && g++ -O2 -march=native -std=c++17 -Icpu_kernels \
 //       -I$(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
-//       benchmarks/amx_op_costs.cc -o /tmp/amx_op_costs && /tmp/amx_op_costs
+//       benchmarks/amx_op_costs.cc -o build/amx_op_costs && build/amx_op_costs
 #include <chrono>
 #include <cstdio>
 
