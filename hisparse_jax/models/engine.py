@@ -142,10 +142,10 @@ def _exact_attention(q, k, v, start, chunk: int, prefill: str, layer=None):
     block by block gets the numbers of one program."""
     if prefill == "cpu":
         return cpu_ops.causal_attention(q, k, v, start, layer=layer)
+    if isinstance(start, int):  # a whole prompt (from 0): its own K/V, never a stack
+        return att.causal_prefill_attention(q, k, v, chunk=chunk)
     if layer is None:
         k, v, layer = k[None], v[None], 0
-    if isinstance(start, int):  # a whole prompt (from 0)
-        return att.causal_prefill_attention(q, k[layer], v[layer], chunk=chunk)
     kv = lambda j: tuple(jax.lax.dynamic_slice(s, (layer, j * chunk, 0, 0), (1, chunk, *s.shape[2:]))[0]
                          .astype(jnp.float32).transpose(1, 0, 2) for s in (k, v))
     # A prompt's last block may be shorter: its queries are padded back to a whole
