@@ -63,7 +63,8 @@ def main(argv=None):
         traced = time.perf_counter() - t
         jax.profiler.stop_trace()
         [trace] = pathlib.Path(d).rglob("*.trace.json.gz")
-        events = json.load(gzip.open(trace))["traceEvents"]
+        with gzip.open(trace) as f:
+            events = json.load(f)["traceEvents"]
     ms, count = collections.Counter(), collections.Counter()
     for ev in events:  # XLA's operations carry their HLO op's name
         if ev.get("ph") == "X" and "hlo_op" in ev.get("args", {}):
