@@ -182,6 +182,10 @@ def main():
     p.add_argument("--budget-tokens", type=int, default=None,
                    help="the hisparse server's decode budget (default: hisparse serve's, a "
                         "16th of --max-context within 512-2048); the row records it")
+    p.add_argument("--slo-max-seqs", type=int, default=None, metavar="N",
+                   help="the NAME-slo servers' --max-seqs (default: the highest concurrency, "
+                        "as every other server): the streams a TPOT target lets decode "
+                        "together are few, and a narrower engine's step is cheaper")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="our servers' prompt tokens per engine step (default: hisparse "
                         "serve's, 512; vLLM's CPU server takes 2,048); the row records it")
@@ -250,8 +254,8 @@ def main():
             if slo and a.tpot_slo_ms is None:
                 raise SystemExit(f"{name}: needs --tpot-slo-ms")
             cmd = [sys.executable, "-m", "hisparse_jax.serving", "--attention", attention,
-                   "--max-seqs", str(max(conc)), "--max-context", str(a.max_context),
-                   "--port", str(port)]
+                   "--max-seqs", str(a.slo_max_seqs if slo and a.slo_max_seqs else max(conc)),
+                   "--max-context", str(a.max_context), "--port", str(port)]
             if attention == "hisparse" and a.budget_tokens is not None:
                 cmd += ["--budget-tokens", str(a.budget_tokens)]
             if a.prefill_budget is not None:

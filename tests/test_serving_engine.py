@@ -61,6 +61,32 @@ def test_chunked_prefill_equals_prefill(model, long_ids, attention, implementati
         eng.prefill_chunk(0, long_ids, PREFILL_CHUNK)  # blocks out of order
 
 
+@pytest.mark.parametrize("max_stages", [1, 2])
+def test_chunked_prefills_of_two_slots_interleave_up_to_max_stages(model, long_ids, max_stages):
+    """Two prompts' blocks taking turns, each with its own K/V stage: each ends as
+    it does alone (first token and logits bit-equal). With one stage the second
+    prompt's first block abandons the first prompt's prefill, whose next block is
+    refused."""
+    eng = Engine(model[0], max_seqs=3, max_context=1024, max_stages=max_stages)
+    other = long_ids[::-1].copy()
+    refs = []
+    for ids in (long_ids, other):
+        refs.append((eng.prefill(2, ids), np.asarray(eng.logits)))
+    assert eng.prefill_chunk(0, long_ids, 0) is None
+    assert eng.prefill_chunk(1, other, 0) is None
+    if max_stages == 1:
+        with pytest.raises(ValueError, match=r"staged prompts \(slot: tokens\) are \{1: 512\}"):
+            eng.prefill_chunk(0, long_ids, PREFILL_CHUNK)
+        return
+    assert eng.stages_free() == 0
+    for slot, ids, (tok, logits) in ((1, other, refs[1]), (0, long_ids, refs[0])):
+        assert eng.prefill_chunk(slot, ids, PREFILL_CHUNK) == tok
+        np.testing.assert_array_equal(np.asarray(eng.logits), logits)
+    assert eng.stages_free() == 2
+    with pytest.raises(ValueError, match="max_stages"):
+        Engine(model[0], max_seqs=2, max_context=1024, max_stages=3)
+
+
 @pytest.mark.parametrize(("n", "start", "rows"), [
     (1, 0, 64), (64, 0, 64), (65, 0, 128), (512, 0, 512), (513, 0, 512), (513, 512, 64),
     (700, 512, 256), (1024, 512, 512), (1075, 1024, 64), (7870, 7680, 256)])
@@ -233,6 +259,77 @@ def test_tpot_slo_defers_prompt_blocks_while_decodes_run(model, long_ids, slo, d
     assert a.finish.completion_tokens == 8 and b.ids[0] == warm.ids[0] and len(b.ids) == 3
 
 
+@pytest.mark.parametrize("slo, together", [(1e6, True), (1e-9, False)])
+def test_gangs_start_streams_together_where_their_step_fits(model, long_ids, slo, together):
+    """With a TPOT target and two prefill stages, two long prompts submitted
+    together: the first one's last block waits for the second prompt's prefill,
+    then both first tokens come in one step and the streams decode side by side
+    (where a 2-wide step fits the target: once a 1-wide one did, it is tried).
+    Under a target no step meets, the prompts go one after another. Either way
+    each answer is the prompt's alone, and every slot and page comes back."""
+    m, tok = model
+    eng = Engine(m, max_seqs=2, max_context=1024, max_stages=2)
+    sched = Scheduler(eng, tok, tpot_slo=slo)
+    assert sched.gangs
+    warm = Collect()  # one stream alone first: a 1-wide step measured
+    sched.submit(Request(tok.encode("The capital of France is"), 3, GREEDY, warm))
+    while sched.running() or sched.waiting:
+        sched.step()
+    other = long_ids[::-1].copy()
+    a, b = Collect(), Collect()
+    sched.submit(Request(list(long_ids), 6, GREEDY, a))
+    sched.submit(Request(list(other), 6, GREEDY, b))
+    steps = []
+    while sched.running() or sched.waiting:
+        sched.step()
+        steps.append((len(a.ids), len(b.ids), list(sched.parked)))
+    firsts = [next(i for i, s in enumerate(steps) if s[k] > 0) for k in (0, 1)]
+    assert (firsts[0] == firsts[1]) == together
+    assert any(p == [0] for *_, p in steps) == together  # a's last block parked
+    assert (2 in sched.decode_s) == together
+    for ids, got in ((long_ids, a), (other, b)):
+        eng.prefill(0, ids)
+        alone = [int(eng.tokens[0])] + [int(eng.decode_step(np.array([True, False]))[0])
+                                        for _ in range(5)]
+        eng.release(0)
+        assert got.ids == alone and got.finish.reason == "length"
+    assert eng.pool_available() == eng.cache_cfg.pool_pages and eng.stages_free() == 2
+
+
+def test_a_parked_prompt_cancelled_frees_its_slot_and_stage(model, long_ids):
+    m, tok = model
+    eng = Engine(m, max_seqs=2, max_context=1024, max_stages=2)
+    sched = Scheduler(eng, tok, tpot_slo=1e6)
+    sched.decode_s = {1: 0.01}  # a 2-wide gang is tried
+    a, b = Collect(), Collect()
+    ra = Request(list(long_ids), 4, GREEDY, a)
+    sched.submit(ra)
+    sched.submit(Request(list(long_ids[::-1]), 4, GREEDY, b))
+    sched.step()  # a's first block, then its last one parks (b's first waits for a step)
+    assert sched.parked == [0] and not a.ids
+    sched.cancel(ra)
+    while sched.running() or sched.waiting:
+        sched.step()
+    assert a.finish.reason == "abort" and not a.ids and len(b.ids) == 4
+    assert eng.pool_available() == eng.cache_cfg.pool_pages and eng.stages_free() == 2
+
+
+@pytest.mark.parametrize("decode_s, slo, stages, width", [
+    ({}, 0.06, 2, 1),                        # nothing measured: one stream
+    ({1: 0.03}, 0.06, 2, 2),                 # 1 fits: 2 is tried
+    ({1: 0.03, 2: 0.05}, 0.06, 2, 2),
+    ({1: 0.03, 2: 0.07}, 0.06, 2, 1),        # 2 measured over the target
+    ({1: 0.07}, 0.06, 2, 1),
+    ({1: 0.03, 2: 0.05}, 0.06, 4, 3),        # up to the stages, one width at a time
+    ({1: 0.03, 2: 0.05, 3: 0.055, 4: 0.058}, 0.06, 4, 4),
+])
+def test_gang_width_table(decode_s, slo, stages, width):
+    sched = Scheduler(SimpleNamespace(max_seqs=4, cache_cfg=None, max_stages=stages), None,
+                      tpot_slo=slo)
+    sched.decode_s = dict(decode_s)
+    assert sched._gang_width() == width
+
+
 @pytest.mark.parametrize("block_s, decode_s, first_ago, generated, slo, over", [
     ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.1, False),   # (0.5 + 0.23) / 10
     ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.05, True),
@@ -246,7 +343,7 @@ def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
     import time
 
     from hisparse_jax.serving.scheduler import _Seq
-    sched = Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=slo)
+    sched = Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None, max_stages=1), None, tpot_slo=slo)
     sched.block_s, sched.decode_s = dict(block_s), dict(decode_s)
     seq = _Seq(Request([1], 4, GREEDY, Collect()), None, decoding=True, generated=generated,
                first=time.perf_counter() - first_ago)
@@ -256,7 +353,7 @@ def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
 @pytest.mark.parametrize("slo", [0, -1.0, float("nan")])
 def test_tpot_slo_must_be_positive(slo):
     with pytest.raises(ValueError, match="tpot_slo"):
-        Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None), None, tpot_slo=slo)
+        Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None, max_stages=1), None, tpot_slo=slo)
 
 
 def test_nan_in_one_sequence_never_reaches_another(model, long_ids):

@@ -442,7 +442,7 @@ class Engine:
                  attention: str = "hisparse", budget_tokens: int = 2048,
                  cache_overrides: dict | None = None, implementation=None,
                  offload: bool = False, working_set: int | None = None,
-                 policy: scheduler.Policy | None = None):
+                 policy: scheduler.Policy | None = None, max_stages: int = 1):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: choose from {ATTENTIONS}")
         if not isinstance(offload, bool):
@@ -458,6 +458,7 @@ class Engine:
             max_context = mc.max_position
         max_context = check_int("max_context", max_context, minimum=1)
         max_seqs = check_int("max_seqs", max_seqs, minimum=1)
+        self.max_stages = check_int("max_stages", max_stages, minimum=1, maximum=max_seqs)
         self.model = model
         self.attention = attention
         self.max_seqs, self.max_context = max_seqs, max_context
@@ -510,9 +511,11 @@ class Engine:
         self.bias = jnp.zeros((max_seqs, vocab), jnp.float32)
         self.counts = jnp.zeros((max_seqs, vocab), jnp.float32)
         self.logits = None  # the last program's logits (device array)
-        self._stage = None        # chunked prefill's bf16 K/V (prefill_chunk), made on first use
-        self._stage_slot = None   # the slot whose prompt is staged
-        self._staged = 0          # its tokens staged so far
+        # chunked prefills in progress (prefill_chunk): slot -> [its bf16 K/V stage
+        # (K, V) [L, S, Hkv, D], tokens staged so far], at most max_stages (oldest first)
+        self._stages: dict[int, list] = {}
+        self._spare: list = []    # stages no prefill holds (made on first use, reused)
+        self._last = None         # the [stage, staged] a block last ran on (staged_kv)
 
     def _static(self):
         return {"graphdef": self.graphdef, "hcfg": self.cache_cfg,
@@ -829,8 +832,9 @@ class Engine:
         after `prefill` and the first generated token is returned (None before).
         A prompt of one block is `prefill` itself. The blocks' K/V are staged in one
         bf16 buffer [L, S, Hkv, D], so one slot at a time is in a chunked prefill
-        (start=0 on another slot abandons the first); the HiSparse cache is filled
-        once, from the whole prompt (as `prefill_kv`)."""
+        (up to `max_stages` slots at a time are in a chunked prefill: start=0 on one
+        more abandons the oldest); the HiSparse cache is filled once, from the
+        whole prompt (as `prefill_kv`)."""
         slot = self._check_slot(slot)
         ids = self._check_prompt(ids)
         n = ids.shape[0]
@@ -843,55 +847,79 @@ class Engine:
         if start == 0:
             self._empty(slot)
             self._begin_fill(slot, ids, n, count=False)  # fails early if the pool is short
-            self._stage_slot, self._staged = slot, 0
-        elif (self._stage_slot, self._staged) != (slot, start):
-            raise ValueError(f"prefill_chunk(slot={slot}, start={start}): the staged prompt "
-                             f"is slot {self._stage_slot}'s first {self._staged} tokens")
-        self._make_stage()
+            self._open_stage(slot)
+        elif self._stages.get(slot, [None, None])[1] != start:
+            staged = {s: st_[1] for s, st_ in self._stages.items()}
+            raise ValueError(f"prefill_chunk(slot={slot}, start={start}): the staged prompts "
+                             f"(slot: tokens) are {staged}")
+        entry = self._last = self._stages[slot]
         block = np.zeros(self.block_length(n, start), np.int32)
         real = ids[start:start + PREFILL_CHUNK]
         block[:len(real)] = real
         if start == 0 or self.sampling[slot] != sampling:
             self._set_sampling(slot, sampling, row)
-        tok, self.logits, self._stage = _prefill_chunk(
-            self.params, self._stage, jnp.asarray(block), jnp.int32(start),
+        tok, self.logits, entry[0] = _prefill_chunk(
+            self.params, entry[0], jnp.asarray(block), jnp.int32(start),
             jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef,
             products=self.product_implementation, prefill=self.prefill_implementation)
-        self._staged = start + len(real)
-        if self._staged < n:
+        entry[1] = start + len(real)
+        if entry[1] < n:
             return None
         # decode steps between the blocks may have taken pages (and other prompts
         # indexed theirs): hold and check again
         need = self._begin_fill(slot, ids, n)
-        k, v = self._stage
+        k, v = entry[0]
         if self.cache_cfg is None:
             self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
         else:
             t = fill_length(n, self.max_context)
             self._fill_kv(slot, k[:, :t], v[:, :t], n, self._shared(slot, t))
         self._end_fill(slot, ids, need)
-        self._stage_slot = None
+        self._close_stage(slot)
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
         return int(tok)
 
-    def _make_stage(self):
-        """The chunked prefill's K/V buffer, one sequence long, made on first use."""
-        if self._stage is None:
+    def _spare_stage(self):
+        """A K/V stage no prefill holds (one sequence long; made on first use)."""
+        if not self._spare:
             mc = self.model.cfg
             shape = (mc.num_layers, -(-self.max_context // PREFILL_CHUNK) * PREFILL_CHUNK,
                      mc.num_kv_heads, mc.head_dim)
-            self._stage = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+            self._spare.append((jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)))
+        return self._spare[-1]
+
+    def _open_stage(self, slot: int) -> list:
+        """Give `slot`'s chunked prefill a stage (0 tokens staged), abandoning the
+        oldest other prefill if max_stages are in progress."""
+        self._close_stage(slot)
+        if len(self._stages) >= self.max_stages:
+            self._close_stage(next(iter(self._stages)))
+        self._spare_stage()
+        self._stages[slot] = [self._spare.pop(), 0]
+        return self._stages[slot]
+
+    def _close_stage(self, slot: int):
+        """`slot`'s prefill is done or abandoned: its stage is spare again (its K/V
+        stays readable by `staged_kv` until a prefill takes it)."""
+        entry = self._stages.pop(slot, None)
+        if entry is not None:
+            self._spare.append(entry[0])
+
+    def stages_free(self) -> int:
+        """How many more chunked prefills can start without abandoning one."""
+        return self.max_stages - len(self._stages)
 
     def staged_kv(self, n: int) -> tuple[jax.Array, jax.Array]:
-        """Copies of the staged K/V [L, n, Hkv, D] bf16 of the last chunked prefill's
-        first n tokens (valid until the next chunked prefill starts): what
-        `stage_kv` takes to skip those tokens' prefill next time (prefix reuse)."""
+        """Copies of the staged K/V [L, n, Hkv, D] bf16 of the first n tokens of the
+        chunked prefill that last ran a block (valid until the next chunked prefill
+        starts): what `stage_kv` takes to skip those tokens' prefill next time
+        (prefix reuse)."""
         n = check_int("n", n, minimum=1)
-        if self._stage is None or n > self._staged:
-            raise ValueError(f"staged_kv({n}): {self._staged if self._stage else 0} tokens "
-                             "are staged")
-        return tuple(x[:, :n] for x in self._stage)
+        staged = 0 if self._last is None else self._last[1]
+        if n > staged:
+            raise ValueError(f"staged_kv({n}): {staged} tokens are staged")
+        return tuple(x[:, :n] for x in self._last[0])
 
     def stage_kv(self, slot: int, k, v):
         """Begin a chunked prefill of `slot` with its prompt's first n tokens already
@@ -907,9 +935,9 @@ class Engine:
         if n >= self.max_context:
             raise ValueError(f"stage_kv: {n} tokens do not fit max_context={self.max_context}")
         self._empty(slot)
-        self._make_stage()
-        self._stage = _write_stage(self._stage, k, v)
-        self._stage_slot, self._staged = slot, n
+        entry = self._open_stage(slot)
+        entry[0] = _write_stage(entry[0], k, v)
+        entry[1] = n
 
     def kv(self, slot: int) -> tuple[jax.Array, jax.Array]:
         """A dense engine's K/V of `slot`'s tokens: two [L, n, Hkv, D] bf16 arrays
@@ -1079,8 +1107,7 @@ class Engine:
                     self.prefix.release(refs)
             self.num_free = int(jnp.min(self.caches.num_free))  # shared pages: data dependent
         self.lens[slot] = 0
-        if self._stage_slot == slot:  # a chunked prefill abandoned
-            self._stage_slot = None
+        self._close_stage(slot)  # a chunked prefill abandoned
 
     def pool_usage(self) -> tuple[int, int]:
         """(cold pool pages in use, pool pages), summed over the layers, read from
@@ -1139,18 +1166,18 @@ class Engine:
                        jnp.int32(1), shared, samp, **self._static(),
                        offload=self.offload, prefill=self.prefill_implementation).compile()
         if n > PREFILL_CHUNK:
-            self._make_stage()
+            stage = self._spare_stage()
             m = min(prompt_len, self.max_context - 1)
             last = (m - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # the last block's start
             for rows in sorted({PREFILL_CHUNK, self.block_length(m, last)}):
-                _prefill_chunk.lower(self.params, self._stage, jnp.zeros(rows, jnp.int32),
+                _prefill_chunk.lower(self.params, stage, jnp.zeros(rows, jnp.int32),
                                      jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
                                      products=self.product_implementation,
                                      prefill=self.prefill_implementation).compile()
             t = fill_length(m, self.max_context)
-            kv = [x[:, :t] for x in self._stage]
+            kv = [x[:, :t] for x in stage]
             if self.cache_cfg is None:
-                _stage_to_dense.lower(self.caches, jnp.int32(0), *self._stage).compile()
+                _stage_to_dense.lower(self.caches, jnp.int32(0), *stage).compile()
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,

@@ -18,6 +18,10 @@ from hisparse_jax.cli.args import (
 from hisparse_jax.config import default_budget_tokens, resolve_implementation
 
 log = logging.getLogger("hisparse.serve")
+# Under --tpot-slo-ms, prompts whose first tokens may wait for each other, so that
+# their streams decode together (the scheduler's gangs): each holds a bf16 K/V stage
+# of max_context tokens (94 MiB for SmolLM2 at 8K) until its last block runs.
+GANG_STAGES = 2
 
 
 def build_state(cfg):
@@ -58,6 +62,7 @@ def build_state(cfg):
         engine = Engine(model, max_seqs=seqs, max_context=context,
                         attention=cfg.attention, budget_tokens=budget,
                         cache_overrides=pool, offload=cfg.offload, policy=policy,
+                        max_stages=1 if cfg.tpot_slo_ms is None else min(seqs, GANG_STAGES),
                         implementation=cfg.implementation if cfg.attention == "hisparse"
                         else None)
         log.info("%s: %s", name, line)
@@ -226,8 +231,9 @@ def add_serving_parsers(subparsers):
                    help="a target for each request's time per output token: a prompt "
                         "block runs beside the running decodes only where it keeps every "
                         "one of them within it (judged from the block's last time); "
-                        "waiting prompts pay in time to first token (default: none, one "
-                        "block per step)")
+                        "waiting prompts pay in time to first token; and up to "
+                        f"{GANG_STAGES} prompts start decoding together where their "
+                        "step fits it (default: none, one block per step)")
     s.add_argument("--record-traffic", default=None, metavar="FILE.jsonl",
                    help="append every accepted request (with its arrival time) to FILE, "
                         "for `hisparse bench serve --dataset replay`")

@@ -182,6 +182,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[_Seq | None] = [None] * engine.max_seqs
         self.prefilling: collections.deque[int] = collections.deque()  # slots, FIFO
+        # Gangs (a TPOT target and an engine of 2+ prefill stages): the slots whose
+        # prompt's last block waits, so that several streams start decoding together
+        self.gangs = self.tpot_slo is not None and engine.max_stages > 1
+        self.parked: list[int] = []
         self.cond = threading.Condition()
         self.admitting = True
         self.stopped = False
@@ -318,15 +322,19 @@ class Scheduler:
             self._unpinned.clear()
             self._gauges()
         spent = 0
+        stuck = False  # the queue's head waits for pages
         decoding = [s for s in self.slots if s is not None and s.decoding]
         while True:
             if self.prefilling:
                 seq = self.slots[self.prefilling[0]]
                 ids, start = seq.req.ids, seq.start
+                if self._park(seq):
+                    continue
             else:
                 with self.cond:
                     head = self.waiting[0] if self.waiting and None in self.slots else None
-                if head is None:
+                if head is None or (self.gangs and len(head.ids) > PREFILL_CHUNK
+                                    and not eng.stages_free()):
                     break
                 ids, start = head.ids, 0
             n = len(ids)
@@ -341,6 +349,7 @@ class Scheduler:
                     spent += batched
                     continue
             if not self.prefilling and not self._admit():
+                stuck = True
                 break  # the head waits for pages
             slot = self.prefilling[0]
             seq = self.slots[slot]
@@ -348,27 +357,23 @@ class Scheduler:
                 seq.resumed = True
                 self._reuse_prefix(slot, seq)
             cost = eng.block_length(n, seq.start)
-            key = (seq.start, cost, seq.start + PREFILL_CHUNK >= n)
-            if seq.start != start and self._defer(key, decoding):
-                break  # a pinned prefix moved its first block
+            if seq.start != start:  # a pinned prefix moved its first block
+                if self._park(seq):
+                    continue
+                if self._defer(self._block_key(seq), decoding):
+                    break
             spent += cost
-            t = time.perf_counter()
-            tok = eng.prefill_chunk(slot, seq.req.ids, seq.start, seq.req.sampling)
-            if self.tpot_slo is not None:  # the block's own time, not the next step's
-                eng.logits.block_until_ready()
-                self.block_s[key] = time.perf_counter() - t
-            seq.start += PREFILL_CHUNK
-            if tok is not None:
-                self.prefilling.popleft()
-                seq.decoding = True
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(n)
-                if self._nonfinite(np.arange(eng.max_seqs) == slot, rows=[slot])[slot]:
-                    self._finish(slot, "error", NONFINITE)
-                elif seq.req.prewarm is not None:
-                    self._pin(slot, seq)
-                else:
-                    self._emit(slot, tok, eng.logits)
+            first = self._prefill_block(slot, seq)
+            if first is not None:
+                self._emit(*first)
+        if self.parked and not decoding and self._gang_ready(stuck):
+            # the gang's last blocks back to back, its first tokens together (as one
+            # batched step would give them): the streams' pace starts with the decode
+            firsts = [self._prefill_block(slot, self.slots[slot]) for slot in self.parked]
+            self.parked.clear()
+            for first in firsts:
+                if first is not None:
+                    self._emit(*first)
         live = np.array([s is not None and s.decoding for s in self.slots])
         if live.any():
             t = time.perf_counter()
@@ -387,6 +392,75 @@ class Scheduler:
             self._gauges()
         self._cache_metrics(live)
         return bool(spent or live.any())
+
+    def _block_key(self, seq: _Seq) -> tuple[int, int, bool]:
+        """(start, rows, last block?) of `seq`'s next prompt block: what `block_s`
+        times."""
+        n = len(seq.req.ids)
+        return seq.start, self.engine.block_length(n, seq.start), seq.start + PREFILL_CHUNK >= n
+
+    def _prefill_block(self, slot: int, seq: _Seq) -> tuple | None:
+        """Run `seq`'s next prompt block. After its last one: the first token's
+        `_emit` arguments, or None (a prewarm pinned, or a non-finite value: the
+        request is finished)."""
+        eng = self.engine
+        key = self._block_key(seq)
+        t = time.perf_counter()
+        tok = eng.prefill_chunk(slot, seq.req.ids, seq.start, seq.req.sampling)
+        if self.tpot_slo is not None:  # the block's own time, not the next step's
+            eng.logits.block_until_ready()
+            self.block_s[key] = time.perf_counter() - t
+        seq.start += PREFILL_CHUNK
+        if tok is None:
+            return None
+        if slot in self.prefilling:
+            self.prefilling.remove(slot)
+        seq.decoding = True
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(seq.req.ids))
+        if self._nonfinite(np.arange(eng.max_seqs) == slot, rows=[slot])[slot]:
+            self._finish(slot, "error", NONFINITE)
+        elif seq.req.prewarm is not None:
+            self._pin(slot, seq)
+        else:
+            return slot, tok, eng.logits
+        return None
+
+    def _park(self, seq: _Seq) -> bool:
+        """With gangs, whether the running prefill (`seq`, the head of
+        `prefilling`) stops before its last block to wait for its gang (a
+        prompt of one block never waits: it holds no stage)."""
+        n = len(seq.req.ids)
+        if not self.gangs or n <= PREFILL_CHUNK or seq.start + PREFILL_CHUNK < n:
+            return False
+        self.parked.append(self.prefilling.popleft())
+        return True
+
+    def _gang_width(self) -> int:
+        """How many streams a gang starts: the widest decode step (up to the
+        engine's prefill stages) within the TPOT target, by the last step of each
+        width. A width never run is tried once the narrower one fits."""
+        width = 1
+        for w in range(1, self.engine.max_stages + 1):
+            t = self.decode_s.get(w)
+            if t is None and w > 1 and self.decode_s.get(w - 1) is not None:
+                return w
+            if t is None or t > self.tpot_slo:
+                break
+            width = w
+        return width
+
+    def _gang_ready(self, stuck: bool) -> bool:
+        """Whether the parked prompts' last blocks run now (nothing decodes): the
+        gang is full, or no other prompt can join it (none in its prefill, and the
+        queue's head has no slot, no stage or no pages)."""
+        if len(self.parked) >= self._gang_width() or stuck:
+            return True
+        if self.prefilling:
+            return False
+        with self.cond:
+            head = self.waiting[0] if self.waiting and None in self.slots else None
+        return head is None or not self.engine.stages_free()
 
     def _prefill_batch(self, budget: int, decoding: list[_Seq]) -> int:
         """Prefill the queue's head and the short prompts right behind it in one
@@ -622,6 +696,8 @@ class Scheduler:
         self.slots[slot] = None
         if slot in self.prefilling:
             self.prefilling.remove(slot)
+        if slot in self.parked:
+            self.parked.remove(slot)
         self.engine.release(slot)
         rest = seq.text.flush() if reason == "length" else ""
         if rest:
