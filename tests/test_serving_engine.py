@@ -15,6 +15,7 @@ from hisparse_jax.config import default_budget_tokens
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.generate import stop_ids
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
+from hisparse_jax.serving import metrics
 from hisparse_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler, Token
 
 
@@ -269,7 +270,9 @@ def test_gangs_start_streams_together_where_their_step_fits(model, long_ids, slo
     each answer is the prompt's alone, and every slot and page comes back."""
     m, tok = model
     eng = Engine(m, max_seqs=2, max_context=1024, max_stages=2)
-    sched = Scheduler(eng, tok, tpot_slo=slo)
+    reg = metrics.Metrics()
+    bound = reg.bind("m")
+    sched = Scheduler(eng, tok, tpot_slo=slo, metrics=bound)
     assert sched.gangs
     warm = Collect()  # one stream alone first: a 1-wide step measured
     sched.submit(Request(tok.encode("The capital of France is"), 3, GREEDY, warm))
@@ -287,6 +290,7 @@ def test_gangs_start_streams_together_where_their_step_fits(model, long_ids, slo
     assert (firsts[0] == firsts[1]) == together
     assert any(p == [0] for *_, p in steps) == together  # a's last block parked
     assert (2 in sched.decode_s) == together
+    assert bound.gang_streams._value.get() == (2 if together else 0)
     for ids, got in ((long_ids, a), (other, b)):
         eng.prefill(0, ids)
         alone = [int(eng.tokens[0])] + [int(eng.decode_step(np.array([True, False]))[0])

@@ -435,7 +435,9 @@ class Engine:
     `prefill(slot, ids, sampling)` fills a slot with a prompt and returns the first
     generated token; `decode_step(active)` appends every active slot's last token
     and returns the next ones. The host mirrors each slot's length (`lens`), so
-    checks need no device round trip.
+    checks need no device round trip. `prefill_chunk` runs a prompt block by block;
+    up to `max_stages` slots can be in such a prefill at once, each holding a bf16
+    K/V stage of max_context tokens (made on first use, kept for reuse).
     """
 
     def __init__(self, model: Llama, *, max_seqs: int = 1, max_context: int | None = None,

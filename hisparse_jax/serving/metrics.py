@@ -64,6 +64,9 @@ class Metrics:
             "prefill_deferred": Counter("hisparse:prefill_blocks_deferred", "Prompt blocks "
                                         "put off because running them beside the decodes "
                                         "would break --tpot-slo-ms", M, registry=r),
+            "gang_streams": Counter("hisparse:gang_streams", "Streams that started "
+                                    "decoding together, their first tokens in one step "
+                                    "(--tpot-slo-ms gangs)", M, registry=r),
             "prefix_queries": Counter("hisparse:prefix_cache_queries", "Prompt tokens looked "
                                       "up among the prewarmed contexts", M, registry=r),
             "prefix_hits": Counter("hisparse:prefix_cache_hits", "Prompt tokens whose "

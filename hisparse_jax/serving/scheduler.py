@@ -19,7 +19,22 @@ running decodes only where no decoding request's time per output token (as
 exceed the target once the block and the next decode step are done, judged from
 what the same block and step took before (`_over_slo`). Deferred blocks wait for
 slack or for the decodes to end: the running streams keep their pace and a
-waiting prompt pays in time to first token. A running sequence is never
+waiting prompt pays in time to first token.
+
+Gangs (a TPOT target and an engine of 2+ prefill stages, `Engine.max_stages`).
+Under the target, streams that start one after another decode one at a time: a
+second prompt's 7K prefill cannot run beside a stream without breaking its pace.
+So a prompt stops before its last block (`parked`) while the next prompt
+prefills, and the gang's last blocks then run back to back, their first tokens
+sent together at the end of that step, and the streams decode side by side.
+Several streams cost one step a little more than one (the weights are read once
+for all): at 7.2K tokens in a 2-slot engine, 45 ms against 38 (docs/serving.md). A gang
+is as wide as the widest decode step whose last time fitted the target
+(`_gang_width`; a width not yet run is tried once the narrower one fits), and a
+parked prompt waits only while another can join (one in its prefill, or the
+queue's head with a slot, a stage and pages). Nothing decodes beside a parked
+prompt's last block: it waits for the running streams to end. The first of a
+gang pays the others' prefill in time to first token. A running sequence is never
 evicted: a request waits until a slot is free, and the queue's bound turns away
 the rest (`QueueFull`, a 503).
 
@@ -138,6 +153,10 @@ IDLE_WAIT_S = 0.05  # a step that found nothing to do waits this long, or for ne
 # program's fixed cost for a few rows of work. Powers of two: three programs.
 BATCH_PROMPT_ROWS = 64
 BATCH_SIZES = (8, 4, 2)
+# The weight of a decode step's newest time in `decode_s`, a moving average per
+# batch size: one step's time moves by 1.5x from minute to minute on a shared
+# 2-core machine, and a gang's width is judged by it.
+STEP_SMOOTHING = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +193,8 @@ class Scheduler:
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
         self.tpot_slo = None if tpot_slo is None else check_number("tpot_slo", tpot_slo, 0.0, above=True)
         # seconds the last prefill block of each (start, tokens, last block?) took,
-        # and the last decode step of each batch size: what the TPOT target judges by
+        # and a decode step of each batch size (a moving average, STEP_SMOOTHING):
+        # what the TPOT target judges by
         self.block_s: dict[tuple[int, int, bool], float] = {}
         self.decode_s: dict[int, float] = {}
         self.deferred = 0  # prefill blocks put off for the TPOT target
@@ -366,10 +386,18 @@ class Scheduler:
             first = self._prefill_block(slot, seq)
             if first is not None:
                 self._emit(*first)
-        if self.parked and not decoding and self._gang_ready(stuck):
+        if (self.parked and not any(s is not None and s.decoding for s in self.slots)
+                and self._gang_ready(stuck)):
             # the gang's last blocks back to back, its first tokens together (as one
             # batched step would give them): the streams' pace starts with the decode
             firsts = [self._prefill_block(slot, self.slots[slot]) for slot in self.parked]
+            if len(self.parked) > 1:
+                log.info("a gang of %d streams starts (%d-wide decode step %s)",
+                         len(self.parked), len(self.parked),
+                         "not run yet" if len(self.parked) not in self.decode_s else
+                         f"{1e3 * self.decode_s[len(self.parked)]:.0f} ms")
+                if self.metrics is not None:
+                    self.metrics.gang_streams.inc(len(self.parked))
             self.parked.clear()
             for first in firsts:
                 if first is not None:
@@ -378,7 +406,9 @@ class Scheduler:
         if live.any():
             t = time.perf_counter()
             nxt = eng.decode_step(live)
-            self.decode_s[int(live.sum())] = time.perf_counter() - t
+            took, width = time.perf_counter() - t, int(live.sum())
+            last = self.decode_s.get(width, took)
+            self.decode_s[width] = last + STEP_SMOOTHING * (took - last)
             bad = self._nonfinite(live)
             logits = eng.logits if any(s is not None and s.req.logprobs is not None
                                        for s in self.slots) else None
@@ -438,8 +468,8 @@ class Scheduler:
 
     def _gang_width(self) -> int:
         """How many streams a gang starts: the widest decode step (up to the
-        engine's prefill stages) within the TPOT target, by the last step of each
-        width. A width never run is tried once the narrower one fits."""
+        engine's prefill stages) within the TPOT target, by the moving average of
+        each width's steps. A width never run is tried once the narrower one fits."""
         width = 1
         for w in range(1, self.engine.max_stages + 1):
             t = self.decode_s.get(w)
@@ -553,9 +583,9 @@ class Scheduler:
     def _over_slo(self, key: tuple[int, int, bool], decoding: list[_Seq]) -> bool:
         """Whether running prefill block `key` now would put a decoding request's
         time per output token over the target: its next token comes after the
-        block and a decode step of this batch (their last measured times; a block
-        never measured counts as too long, a batch size never measured as the
-        slowest step seen)."""
+        block and a decode step of this batch (the block's last time, the step's
+        moving average; a block never measured counts as too long, a batch size
+        never measured as the slowest step seen)."""
         if self.tpot_slo is None:
             return False
         block = self.block_s.get(key)
