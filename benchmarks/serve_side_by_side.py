@@ -43,7 +43,9 @@ HISPARSE_VLLM_CPU is removed from its environment). Caveats:
 
 A server named `hisparse-slo` (or `dense-slo`) is our server with `--tpot-slo-ms`
 (this script's --tpot-slo-ms): prompt blocks wait while running them would put a
-decoding request over that time per output token.
+decoding request over that time per output token, and two prompts' streams start
+together where their 2-wide step fits it. --slo-max-seqs N gives those servers N
+slots instead of the highest concurrency (docs/serving.md, "Run 6 and after").
 
 The recorded command names no path of this machine: the llama.cpp venv is
 LLAMACPP_VENV, the vLLM venv VLLM_VENV, the export VLLM_MODEL_DIR.
