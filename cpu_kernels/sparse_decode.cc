@@ -338,9 +338,11 @@ inline float Dot(const float* a, const float* b, int64_t D) {
 
 
 // The window: sink and hot tokens in bf16, warm tokens in e4m3 with a scale per
-// token. q [B,H,G,D] f32; bf16_k, bf16_v [L,B,H,Tb,D] bf16; bf16_valid [B,Tb];
-// fp8_k, fp8_v [L,B,H,Tw,D] e4m3 (or its u8 bits); fp8_k_scale, fp8_v_scale
-// [L,B,H,Tw] f32; fp8_valid [B,Tw]; layer s32[]; sm_scale -> out [B,H,G,D] f32,
+// token. q [B,H,G,D] f32; bf16_k, bf16_v [L,S,H,Tb,D] bf16 with S >= B slots, of
+// which the first B are read (a narrow decode step reads a wider engine's tiers in
+// place); bf16_valid [B,Tb]; fp8_k, fp8_v [L,S,H,Tw,D] e4m3 (or its u8 bits);
+// fp8_k_scale, fp8_v_scale [L,S,H,Tw] f32; fp8_valid [B,Tw]; layer s32[]; sm_scale
+// -> out [B,H,G,D] f32,
 // lse [B,H,G] f32: one softmax over both tiers' valid tokens (the reference's two
 // parts, merged). Invalid slots are never read.
 ffi::Error WindowImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::BF16> bf16_k,
@@ -356,9 +358,12 @@ ffi::Error WindowImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
   if (qd.size() != 4 || bd.size() != 5 || fd.size() != 5)
     return ffi::Error::InvalidArgument("hisparse window: ranks");
   const int64_t B = qd[0], H = qd[1], G = qd[2], D = qd[3];
-  const int64_t L = bd[0], Tb = bd[3], Tw = fd[3];
-  if (bd[1] != B || bd[2] != H || bd[4] != D || fd[0] != L || fd[1] != B || fd[2] != H ||
-      fd[4] != D || D > kMaxDim || G > kMaxGroup)
+  const int64_t L = bd[0], S = bd[1], Tb = bd[3], Tw = fd[3];
+  const auto ks = fp8_k_scale.dimensions(), vs = fp8_v_scale.dimensions();
+  if (S < B || bd[2] != H || bd[4] != D || fd[0] != L || fd[1] != S || fd[2] != H ||
+      fd[4] != D || D > kMaxDim || G > kMaxGroup || ks.size() != 4 || vs.size() != 4 ||
+      ks[0] != L || ks[1] != S || ks[2] != H || ks[3] != Tw || vs[0] != L || vs[1] != S ||
+      vs[2] != H || vs[3] != Tw)
     return ffi::Error::InvalidArgument("hisparse window: shapes");
   for (auto* a : {&fp8_k, &fp8_v})
     if (a->element_type() != ffi::DataType::F8E4M3FN && a->element_type() != ffi::DataType::U8)
@@ -368,7 +373,7 @@ ffi::Error WindowImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
   const bool* fvalid = fp8_valid.typed_data();
   const int64_t cap = Tb + Tw;
   ParallelFor(pool, B * H, [&](int64_t bh) {
-      const int64_t b = bh / H, at = l * B * H + bh;
+      const int64_t b = bh / H, at = (l * S + b) * H + bh % H;
       std::vector<int64_t> token(cap);
       std::vector<float> logit(G * cap + 16), prob(G * cap + 16);
       alignas(64) float row[kMaxDim];

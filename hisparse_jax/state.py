@@ -153,16 +153,25 @@ def decode_width(max_seqs: int, top: int) -> int:
     return next(w for w in decode_widths(max_seqs) if w >= top)
 
 
-def first_slots(cfg: HiSparseConfig, state: CacheState, n: int, axis: int = 0):
+# The window's tiers: the "cpu" window kernel reads the first n slots of a wider
+# layer-stacked state in place, so a narrow step need not copy them (`first_slots`'
+# keep; 4 slices and 4 updates, about 10 ms of a 2-wide step in an 8-slot engine).
+WINDOW_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale")
+
+
+def first_slots(cfg: HiSparseConfig, state: CacheState, n: int, axis: int = 0,
+                keep: tuple[str, ...] = ()):
     """(cfg, state) of slots 0..n-1 alone, for a step that computes only those
-    (`decode_width`): their tiers copied out, the pool shared. axis: the sequence
-    axis of the slot fields (1 in a layer-stacked state). `put_first_slots` writes
-    them back."""
+    (`decode_width`): their slot fields copied out, the pool shared; the fields in
+    `keep` stay whole (every slot; their readers and writers index the first n).
+    axis: the sequence axis of the slot fields (1 in a layer-stacked state).
+    `put_first_slots` writes them back."""
     if n >= cfg.max_seqs:
         return cfg, state
     first = (slice(None),) * axis + (slice(0, n),)
     return (first_slots_config(cfg, n),
-            state.replace(**{f: getattr(state, f)[first] for f in SLOT_FIELDS}))
+            state.replace(**{f: getattr(state, f)[first] for f in SLOT_FIELDS
+                             if f not in keep}))
 
 
 def first_slots_config(cfg: HiSparseConfig, n: int) -> HiSparseConfig:
@@ -178,7 +187,8 @@ def put_first_slots(full: CacheState, part: CacheState, axis: int = 0) -> CacheS
         return part
     first = (slice(None),) * axis + (slice(0, n),)
     return part.replace(**{f: getattr(full, f).at[first].set(getattr(part, f))
-                           for f in SLOT_FIELDS})
+                           for f in SLOT_FIELDS
+                           if getattr(part, f).shape != getattr(full, f).shape})
 
 
 def _encode_cold(cfg, k_pages, v_pages, implementation):

@@ -107,6 +107,26 @@ def test_each_kernel_matches_its_reference(case):
         close(got, exp)
 
 
+def test_the_window_reads_the_first_slots_of_wider_tiers():
+    """A narrow decode step's window: tiers of S = 5 slots (the last two NaN) read
+    for the first B = 3, in place, bit-equal to tiers of those 3 slots; tiers of
+    fewer slots than the queries are refused."""
+    case = CASES[0]
+    (q, bk, bv, bvalid, fk, fv, fks, fvs, fvalid, *_), _ = make(case)
+    tiers = [bk, bv, fk, fv, fks, fvs]
+    wide = [jnp.concatenate([t, jnp.full((2, *t.shape[1:]), jnp.nan, t.dtype)])[None]
+            for t in tiers]
+    f = jax.jit(functools.partial(ops.window_parts, sm_scale=0.125))
+    window = lambda ts: (q, ts[0], ts[1], bvalid, ts[2], ts[3], ts[4], ts[5], fvalid)
+    [got] = f(*window(wide), layer=jnp.int32(0))
+    [want] = f(*window(tiers))
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(Exception, match="hisparse window: shapes"):
+        jax.block_until_ready(f(*window([t[:, :2] for t in wide]), layer=jnp.int32(0)))
+
+
 def test_the_layer_axis_reads_that_layer_in_place():
     """Pool and tiers with a leading layer axis and a layer index: bit-equal to the
     same kernels on that layer's arrays (what the engine's stacked caches pass)."""

@@ -53,7 +53,13 @@ from hisparse_jax import layout, scheduler
 from hisparse_jax import offload as off
 from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
-from hisparse_jax.config import HiSparseConfig, preset, resolve_prefill, resolve_products
+from hisparse_jax.config import (
+    HiSparseConfig,
+    preset,
+    resolve_implementation,
+    resolve_prefill,
+    resolve_products,
+)
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import (
     GREEDY,
@@ -343,15 +349,17 @@ def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, imple
     """tokens [B] at positions lens [B] (active [B] slots) -> (next tokens [B],
     logits [B, V], caches), computing slots 0..n-1 only (the rest must be
     inactive: their rows come back 0). A HiSparse step copies those slots' own
-    tiers out of the stacked caches and back (the pool stays in place); a dense
-    step reads n slots of each layer's cache."""
+    fields out of the stacked caches and back (the pool stays in place, and on the
+    "cpu" kernels the window's tiers too: `state.WINDOW_FIELDS`); a dense step
+    reads n slots of each layer's cache."""
     model = nnx.merge(graphdef, params)
     b = tokens.shape[0]
     tokens, lens, active = tokens[:n], lens[:n], active[:n]
     samp = jax.tree.map(lambda a: a[:n], samp)
     full = caches
     if hcfg is not None:
-        hcfg, caches = st.first_slots(hcfg, caches, n, axis=1)
+        keep = st.WINDOW_FIELDS if resolve_implementation(implementation, hcfg) == "cpu" else ()
+        hcfg, caches = st.first_slots(hcfg, caches, n, axis=1, keep=keep)
 
     def attend(caches, layer, q, k, v):
         if hcfg is None:
