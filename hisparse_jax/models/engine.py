@@ -840,11 +840,10 @@ class Engine:
         Call with start = 0, PREFILL_CHUNK, 2 * PREFILL_CHUNK, ... (the whole
         prompt `ids` each time); after the last block the slot holds the prompt as
         after `prefill` and the first generated token is returned (None before).
-        A prompt of one block is `prefill` itself. The blocks' K/V are staged in one
-        bf16 buffer [L, S, Hkv, D], so one slot at a time is in a chunked prefill
-        (up to `max_stages` slots at a time are in a chunked prefill: start=0 on one
-        more abandons the oldest); the HiSparse cache is filled once, from the
-        whole prompt (as `prefill_kv`)."""
+        A prompt of one block is `prefill` itself. The blocks' K/V are staged in a
+        bf16 buffer [L, S, Hkv, D] of the slot's own, so up to `max_stages` slots at
+        a time are in a chunked prefill (start=0 on one more abandons the oldest);
+        the HiSparse cache is filled once, from the whole prompt (as `prefill_kv`)."""
         slot = self._check_slot(slot)
         ids = self._check_prompt(ids)
         n = ids.shape[0]

@@ -29,7 +29,7 @@ prefills, and the gang's last blocks then run back to back, their first tokens
 sent together at the end of that step, and the streams decode side by side.
 Several streams cost one step a little more than one (the weights are read once
 for all): at 7.2K tokens in a 2-slot engine, 45 ms against 38 (docs/serving.md). A gang
-is as wide as the widest decode step whose last time fitted the target
+is as wide as the widest decode step whose times (a moving average) fit the target
 (`_gang_width`; a width not yet run is tried once the narrower one fits), and a
 parked prompt waits only while another can join (one in its prefill, or the
 queue's head with a slot, a stage and pages). Nothing decodes beside a parked
@@ -390,15 +390,14 @@ class Scheduler:
                 and self._gang_ready(stuck)):
             # the gang's last blocks back to back, its first tokens together (as one
             # batched step would give them): the streams' pace starts with the decode
-            firsts = [self._prefill_block(slot, self.slots[slot]) for slot in self.parked]
-            if len(self.parked) > 1:
-                log.info("a gang of %d streams starts (%d-wide decode step %s)",
-                         len(self.parked), len(self.parked),
-                         "not run yet" if len(self.parked) not in self.decode_s else
-                         f"{1e3 * self.decode_s[len(self.parked)]:.0f} ms")
+            gang, self.parked = self.parked, []  # a block that fails finishes its slot
+            if len(gang) > 1:
+                log.info("a gang of %d streams starts (%d-wide decode step %s)", len(gang),
+                         len(gang), "not run yet" if len(gang) not in self.decode_s else
+                         f"{1e3 * self.decode_s[len(gang)]:.0f} ms")
                 if self.metrics is not None:
-                    self.metrics.gang_streams.inc(len(self.parked))
-            self.parked.clear()
+                    self.metrics.gang_streams.inc(len(gang))
+            firsts = [self._prefill_block(slot, self.slots[slot]) for slot in gang]
             for first in firsts:
                 if first is not None:
                     self._emit(*first)
