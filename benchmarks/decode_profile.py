@@ -13,7 +13,10 @@ Variants (each one jitted program over all layers, caches donated, as the engine
 - `attend_only`: + `decode_step` on the cache as prefilled, no append;
 - `select_only`: + `append_layer` and `select` (the pages the step would read);
 - `hisparse_cpu`: `hisparse` on the C++ kernels (`implementation="cpu"`), where
-  they build.
+  they build;
+- `weights/bf16`, `hisparse_cpu/bf16`: those two on the same model without its
+  GGUF blocks (where it has them: the products read the bf16 weights, not the
+  Q4_1/Q8_0 tiles; cpu_kernels/blocks.py).
 Every variant's weight products are `--products`' (default: the engine's,
 `config.resolve_products`: the AMX kernel where the CPU has AMX-BF16).
 The cache is filled with `context` tokens by the engine's own prefill first.
@@ -42,6 +45,7 @@ from hisparse_jax import attention as att
 from hisparse_jax import state as st
 from hisparse_jax.config import resolve_products
 from hisparse_jax.models import engine as eng
+from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.registry import load
 
 
@@ -122,12 +126,18 @@ def main(argv=None):
     if args.state_loop:
         return state_loop(args.context, 30, args.repeats)
     model, _ = load(args.model)
+    # the same model without its GGUF blocks (bf16 weights only): the "/bf16" variants'
+    plain = Llama(model.cfg, model.weights()) if hasattr(model.blocks, "wq_codes") else None
     ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.context)
     budget = args.budget_tokens or args.context // 16 // 16 * 16
     for batch in args.batch:
         engines = {a: eng.Engine(model, max_seqs=batch, max_context=args.context + 2 * args.repeats
                                  + 64, attention=a, budget_tokens=budget)
                    for a in ("hisparse", "dense")}
+        if plain is not None:
+            engines["bf16"] = eng.Engine(plain, max_seqs=batch,
+                                         max_context=args.context + 2 * args.repeats + 64,
+                                         budget_tokens=budget)
         first = engines["dense"].prefill(0, ids)  # the same prompt in every slot: its K/V
         kv = engines["dense"].kv(0)
         for a, e in engines.items():
@@ -138,6 +148,8 @@ def main(argv=None):
                     "select_only": "hisparse"}
         if cpu_build.unavailable() is None:
             variants["hisparse_cpu"] = "hisparse"
+        if "bf16" in engines:
+            variants.update({"weights/bf16": "bf16", "hisparse_cpu/bf16": "bf16"})
         times = {v: [] for v in variants}
         for r in range(args.repeats + 2):  # interleaved; the first two compile / warm up
             for v, a in variants.items():
@@ -146,11 +158,13 @@ def main(argv=None):
                 t = time.perf_counter()
                 tok, e.caches = _step(e.params, e.caches, jnp.asarray(e.tokens), lens,
                                       jnp.ones(batch, bool), graphdef=e.graphdef,
-                                      hcfg=e.cache_cfg, variant=v, products=args.products)
+                                      hcfg=e.cache_cfg, variant=v.split("/")[0],
+                                      products=args.products)
                 tok.block_until_ready()
                 if r >= 2:
                     times[v].append(time.perf_counter() - t)
-                if v in ("hisparse", "hisparse_cpu", "append_only", "select_only", "dense"):
+                if v.split("/")[0] in ("hisparse", "hisparse_cpu", "append_only", "select_only",
+                                       "dense"):
                     e.lens = e.lens + 1  # the cache took a token
         for v, ts in times.items():
             print(json.dumps({"model": args.model, "context": args.context, "batch": batch,

@@ -38,7 +38,8 @@ TARGETS = {"hisparse_cold_logits": "HisparseColdLogits",
            "hisparse_sample_tail": "HisparseSampleTail",
            "hisparse_rerank": "HisparseRerank",
            "hisparse_causal_attention": "HisparseCausalAttention",
-           "hisparse_matmul": "HisparseMatmul"}
+           "hisparse_matmul": "HisparseMatmul",
+           "hisparse_matmul_blocks": "HisparseMatmulBlocks"}
 
 _lock = threading.Lock()
 _why_not: list[str | None] = []  # [] = not tried yet; [None] = loaded; [reason]

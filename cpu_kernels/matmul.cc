@@ -36,9 +36,83 @@ struct Shapes {
   int64_t M, K, N;
 };
 
-// Up to 16 rows (a decode step's): units of 64 outputs, four C tiles.
-void FewRows(ffi::ThreadPool& pool, const Shapes& s, const uint32_t* xpairs,
-             const uint16_t* wl, float* out) {
+// Where FewRows finds its A tiles (16 weight rows x 32 inputs, bf16 pairs along the
+// input): `Tile(n0, c, buf)` is the tile of output rows n0.. and input chunk c,
+// `stride` its rows' distance in bytes.
+//
+// Bf16Rows: weights [N, K] read where they lie.
+struct Bf16Rows {
+  const uint16_t* w;
+  int64_t K, stride;
+  Bf16Rows(const uint16_t* w, int64_t K) : w(w), K(K), stride(K * 2) {}
+  const uint16_t* Tile(int64_t n0, int64_t c, uint16_t*) const { return w + n0 * K + c * 32; }
+};
+
+// One row of 32 bf16, float32 lanes rounded to the nearest even (as numpy's and
+// ml_dtypes' casts round). The instruction reads subnormal inputs as zero; none
+// arises here: a block's weights are multiples of its f16 scales' 2^-24 steps.
+inline void StoreBf16Row(uint16_t* row, __m512 lo, __m512 hi) {
+  _mm512_store_si512(row, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// Blocks: a GGUF file's 32-weight blocks, laid out in tiles by cpu_kernels/blocks.py
+// (codes [N / 16, K / 32, R, 32 bytes], scales f16 [N / 16, K / 32, kScales, 16
+// rows]) and dequantized one tile at a time into `buf` as the GGUF loader does it
+// (float32, then rounded to bf16): Q4_1 (kCodes 16: R 8 row pairs, byte k holding
+// weight k of the first row in its low nibble and of the second in its high one;
+// weight = d * code + m, scales d then m) or Q8_0 (kCodes 32: R 16 rows; weight = d
+// * the signed byte). d * q is exact in float32 (an f16 times at most 8 bits), so
+// the fused multiply-add rounds once, as numpy's d * q + m does.
+template <int kCodes>
+struct Blocks {
+  static constexpr int kScales = kCodes == 16 ? 2 : 1;
+  const uint8_t* codes;
+  const uint16_t* scales;
+  int64_t chunks, stride = 64;
+  const uint16_t* Tile(int64_t n0, int64_t c, uint16_t* buf) const {
+    const int64_t t = n0 / 16 * chunks + c;
+    const uint8_t* q = codes + t * 16 * kCodes;
+    const uint16_t* sc = scales + t * kScales * 16;
+    alignas(64) float d[16], m[16];
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc))));
+    if (kScales == 2)
+      _mm512_store_ps(m, _mm512_cvtph_ps(
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16))));
+    if constexpr (kCodes == 16) {
+      // a row pair: each row's 16 possible values, as one table of 32 bf16 looked up
+      // by the codes (+16 for the second row)
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int r = 0; r < 16; r += 2) {
+        const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[r]), _mm512_set1_ps(m[r]));
+        const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[r + 1]), _mm512_set1_ps(m[r + 1]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+        const __m512i b = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * 16)));
+        const __m512i first = _mm512_and_si512(b, _mm512_set1_epi16(15));
+        const __m512i second = _mm512_or_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi16(16));
+        _mm512_store_si512(buf + r * 32, _mm512_permutexvar_epi16(first, table));
+        _mm512_store_si512(buf + r * 32 + 32, _mm512_permutexvar_epi16(second, table));
+      }
+    } else {
+      for (int r = 0; r < 16; ++r) {
+        const __m512 dr = _mm512_set1_ps(d[r]);
+        const __m128i* row = reinterpret_cast<const __m128i*>(q + r * 32);
+        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))), dr);
+        const __m512 hi =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))), dr);
+        StoreBf16Row(buf + r * 32, lo, hi);
+      }
+    }
+    return buf;
+  }
+};
+
+// Up to 16 rows (a decode step's): units of 64 outputs, four C tiles. The weights
+// come from `src` (Bf16Rows or Blocks): the same tile products in the same order
+// either way, so that a product of blocks is bit-equal to one of their bf16 values.
+template <typename Src>
+void FewRows(ffi::ThreadPool& pool, const Shapes& s, const uint32_t* xpairs, const Src& src,
+             float* out) {
   constexpr int64_t kUnitRows = 64;
   const int64_t M = s.M, K = s.K, N = s.N;
   // x^T as B tiles [K / 32][16 input pairs][M] of (x[m][2j], x[m][2j+1])
@@ -56,22 +130,22 @@ void FewRows(ffi::ThreadPool& pool, const Shapes& s, const uint32_t* xpairs,
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const uint16_t* a = wl + n0 * K;
-    const int64_t stride = K * 2;
+    alignas(64) uint16_t buf[4][16 * 32];  // Blocks' dequantized tiles
+    const int64_t stride = src.stride;
     for (int64_t c = 0; c < chunks; ++c) {
       _tile_loadd(7, xt.data() + c * 16 * M, M * 4);
-      _tile_loadd(4, a + c * 32, stride);
+      _tile_loadd(4, src.Tile(n0, c, buf[0]), stride);
       _tile_dpbf16ps(0, 4, 7);
       if (tiles > 1) {
-        _tile_loadd(4, a + 16 * K + c * 32, stride);
+        _tile_loadd(4, src.Tile(n0 + 16, c, buf[1]), stride);
         _tile_dpbf16ps(1, 4, 7);
       }
       if (tiles > 2) {
-        _tile_loadd(4, a + 32 * K + c * 32, stride);
+        _tile_loadd(4, src.Tile(n0 + 32, c, buf[2]), stride);
         _tile_dpbf16ps(2, 4, 7);
       }
       if (tiles > 3) {
-        _tile_loadd(4, a + 48 * K + c * 32, stride);
+        _tile_loadd(4, src.Tile(n0 + 48, c, buf[3]), stride);
         _tile_dpbf16ps(3, 4, 7);
       }
     }
@@ -210,7 +284,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   const uint16_t* wl = reinterpret_cast<const uint16_t*>(w.typed_data()) + l * s.N * s.K;
   const uint32_t* xpairs = reinterpret_cast<const uint32_t*>(x.typed_data());
   if (s.M <= kGroup)
-    FewRows(pool, s, xpairs, wl, y->typed_data());
+    FewRows(pool, s, xpairs, Bf16Rows(wl, s.K), y->typed_data());
   else
     ManyRows(pool, s, xpairs, wl, y->typed_data());
   return ffi::Error::Success();
@@ -224,5 +298,59 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+namespace {
+
+// x [M, K] bf16 (M <= 16), codes u8 [L, N / 16, K / 32, R, 32], scales f16 [L, N / 16,
+// K / 32, S, 16], layer s32[] -> y [M, N] f32: y = x w[layer]^T for the weights
+// those blocks hold (R 8 and S 2: Q4_1; R 16 and S 1: Q8_0; see Blocks).
+ffi::Error MatmulBlocksImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                            ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scales,
+                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+#if !HISPARSE_AMX
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "hisparse matmul_blocks: built for a CPU without AMX-BF16");
+#else
+  auto xd = x.dimensions();
+  auto cd = codes.dimensions();
+  auto sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 5 || sd.size() != 5)
+    return ffi::Error::InvalidArgument(
+        "hisparse matmul_blocks: x [M, K], codes [L, N/16, K/32, R, 32], scales [L, N/16, K/32, S, 16]");
+  const int64_t L = cd[0];
+  const Shapes s{xd[0], xd[1], cd[1] * 16};
+  const bool q4_1 = cd[3] == 8 && sd[3] == 2, q8_0 = cd[3] == 16 && sd[3] == 1;
+  if (!(q4_1 || q8_0) || s.M < 1 || s.M > kGroup || cd[2] * 32 != s.K || cd[4] != 32 ||
+      sd[0] != L || sd[1] != cd[1] || sd[2] != cd[2] || sd[4] != 16)
+    return ffi::Error::InvalidArgument(
+        "hisparse matmul_blocks: shapes (1 to 16 rows, Q4_1 or Q8_0 tiles of x's inputs)");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L)
+    return ffi::Error::InvalidArgument("hisparse matmul_blocks: layer out of range");
+  if (!AmxReady())
+    return ffi::Error(ffi::ErrorCode::kUnavailable,
+                      "hisparse matmul_blocks: the kernel refused AMX's tile state");
+  const int64_t tiles = cd[1] * cd[2];
+  const uint8_t* c = codes.typed_data() + l * tiles * cd[3] * 32;
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.typed_data()) + l * tiles * sd[3] * 16;
+  const uint32_t* xpairs = reinterpret_cast<const uint32_t*>(x.typed_data());
+  if (q4_1)
+    FewRows(pool, s, xpairs, Blocks<16>{c, sc, cd[2]}, y->typed_data());
+  else
+    FewRows(pool, s, xpairs, Blocks<32>{c, sc, cd[2]}, y->typed_data());
+  return ffi::Error::Success();
+#endif
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseMatmulBlocks, MatmulBlocksImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -205,3 +205,20 @@ def matmul(x, w, layer=None):
     return jax.ffi.ffi_call("hisparse_matmul",
                             jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.asarray(layer, jnp.int32))
+
+
+def matmul_blocks(x, codes, scales, layer=None):
+    """`matmul` of weights in GGUF blocks (cpu_kernels/blocks.py's tiles: codes [N /
+    16, K / 32, 16, B] and scales [N / 16, K / 32, S, 16], or stacks of them with a
+    leading layer axis read at `layer`): x [M, K] with M at most 16 -> [M, N]
+    float32, bit-equal to `matmul` of `blocks.dequantize(codes, scales)`."""
+    why = build.amx_unavailable() or matmul_unsupported(x.shape[0], x.shape[1], 16)
+    if why or x.shape[0] > 16:
+        raise RuntimeError(why or f"at most 16 rows, got {x.shape[0]}")
+    if layer is None:
+        codes, scales, layer = codes[None], scales[None], 0
+    n = codes.shape[1] * 16
+    return jax.ffi.ffi_call("hisparse_matmul_blocks",
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x.astype(jnp.bfloat16), codes.astype(jnp.uint8), scales.astype(jnp.float16),
+        jnp.asarray(layer, jnp.int32))

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers import AMX, needs_amx
 
-from cpu_kernels import build, ops, reference
+from cpu_kernels import blocks, build, ops, reference
 from hisparse_jax.config import resolve_products
 from hisparse_jax.models.llama import matmul
 
@@ -188,3 +188,126 @@ def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
     np.testing.assert_array_equal(logits["cpu"][1], logits["xla"][1])
     for a, b in zip(logits["cpu"][0], logits["xla"][0]):
         np.testing.assert_array_equal(a, b)
+
+
+# Weights in GGUF blocks (cpu_kernels/blocks.py): the decode step's products read
+# Q4_1 / Q8_0 tiles and dequantize them in the kernel, bit-equal to the bf16 kernel
+# on the loader's bf16 weights.
+BLOCK_CASES = [
+    Case(1, 576, 576),                       # wq, one sequence
+    Case(2, 192, 576, layers=30, layer=29),  # wk of the last layer
+    Case(3, 1536, 576, layers=3, layer=1),   # w_gate
+    Case(8, 576, 1536, layers=2, layer=0),   # w_down, eight sequences
+    Case(7, 48, 64),                         # three tiles: a unit's tail
+    Case(16, 80, 96, layers=2, layer=1),     # 64 + 16: a unit of one tile
+    Case(5, 1040, 32, scale=1e3),            # one input chunk, large values
+]
+
+
+def make_blocks(kind: str, c: Case, seed=0, row_order=None):
+    """Random GGUF blocks of `kind` for c's weights (every code; scales of both
+    signs, some zero, some tiny), tiled -> (codes, scales, the loader's bf16 weights
+    [layers, out, in])."""
+    import gguf
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    nbytes, nscales = blocks.FORMATS[kind]
+    nb = c.inputs // 32
+    raw = rng.integers(0, 256, (c.layers, c.outputs, nb, 2 * nscales + nbytes), dtype=np.uint8)
+    sc = (rng.standard_normal((c.layers, c.outputs, nb, nscales)) * 0.01).astype(np.float16)
+    sc.reshape(-1)[::7] = 0
+    sc.reshape(-1)[3::11] = np.float16(6e-8)  # the smallest f16 subnormal
+    raw[..., :2 * nscales] = sc.view(np.uint8).reshape(*sc.shape[:-1], 2 * nscales)
+    raw = raw.reshape(c.layers, c.outputs, -1)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    tiles = [blocks.tile(r, kind, c.outputs, c.inputs, row_order) for r in raw]
+    want = np.stack([gguf.quants.dequantize(r, qtype).reshape(c.outputs, c.inputs) for r in raw])
+    if row_order is not None:
+        want = want[:, row_order]
+    codes, scales = (np.stack(part) for part in zip(*tiles))
+    return codes, scales, want.astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("kind", sorted(blocks.FORMATS))
+@pytest.mark.parametrize("case", BLOCK_CASES[:4], ids=str)
+def test_tiles_dequantize_to_the_loaders_weights(kind, case):
+    """The reference's dequantization of the tiles, rows reordered or not, equals
+    gguf.quants' float32 values rounded to bf16, bit for bit."""
+    order = np.random.default_rng(1).permutation(case.outputs)
+    for row_order in (None, order):
+        codes, scales, want = make_blocks(kind, case, row_order=row_order)
+        got = np.asarray(blocks.dequantize(codes, scales))
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", sorted(blocks.FORMATS))
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=str)
+def test_products_of_blocks_equal_the_bf16_kernels(kind, case):
+    codes, scales, w = make_blocks(kind, case)
+    x, _ = make(case)
+    got = np.asarray(ops.matmul_blocks(x, codes, scales, case.layer))
+    np.testing.assert_array_equal(got, np.asarray(ops.matmul(x, jnp.asarray(w), case.layer)))
+    close(got, reference.matmul(x.astype(jnp.bfloat16).astype(jnp.float32), w, case.layer))
+    if case.layers == 1:  # unstacked tiles
+        np.testing.assert_array_equal(np.asarray(ops.matmul_blocks(x, codes[0], scales[0])), got)
+    # the model's matmul takes them up to BLOCKS_MAX_ROWS rows, and its products agree
+    np.testing.assert_array_equal(
+        np.asarray(matmul(x, jnp.asarray(w), case.layer, products="cpu",
+                          blocks=(codes, scales))), got)
+
+
+@needs_amx
+def test_products_of_blocks_keep_nan_in_its_row_and_refuse_what_they_cannot_take():
+    case = BLOCK_CASES[3]
+    codes, scales, w = make_blocks("Q4_1", case)
+    x, _ = make(case)
+    clean = np.asarray(ops.matmul_blocks(x, codes, scales, case.layer))
+    got = np.asarray(ops.matmul_blocks(x.at[5, 17].set(jnp.nan), codes, scales, case.layer))
+    assert np.isnan(got[5]).all()
+    np.testing.assert_array_equal(np.delete(got, 5, 0), np.delete(clean, 5, 0))
+    x17 = jnp.ones((17, case.inputs), jnp.float32)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        ops.matmul_blocks(x17, codes, scales, 0)
+    # 17 rows: the model's matmul reads the bf16 weights instead, the same numbers
+    np.testing.assert_array_equal(
+        np.asarray(matmul(x17, jnp.asarray(w), 0, products="cpu", blocks=(codes, scales))),
+        np.asarray(ops.matmul(x17, jnp.asarray(w), 0)))
+    with pytest.raises(Exception, match="shapes"):
+        np.asarray(ops.matmul_blocks(jnp.ones((2, 64)), codes, scales, 0))
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(ops.matmul_blocks(x, codes, scales, case.layers))
+
+
+@needs_amx
+@pytest.mark.parametrize("attention", ["hisparse", "dense"])
+def test_the_engine_decodes_from_gguf_blocks_with_the_bf16_numbers(tmp_path, attention):
+    """A Q4_1 GGUF (Q8_0 embedding) keeps its blocks, and the engine's decode steps
+    read them (the blocks kernel in the program), with logits bit-equal to the same
+    model's without them."""
+    from models_fixtures import hf_weights, tiny_config, write_gguf
+
+    from hisparse_jax.models import engine as eng
+    from hisparse_jax.models.gguf_loader import load_gguf
+    from hisparse_jax.models.llama import Llama
+    cfg = tiny_config(vocab_size=320)  # a tileable embedding
+    path = write_gguf(tmp_path / "m.gguf", cfg, hf_weights(cfg), "Q4_1")
+    _, w, _ = load_gguf(str(path))
+    import gguf
+    q8 = gguf.quants.quantize(np.asarray(w["embed"], np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w["quantized"]["embed"] = blocks.tile(q8, "Q8_0", *w["embed"].shape)
+    w["embed"] = np.asarray(blocks.dequantize(*w["quantized"]["embed"]))
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 300)
+    runs = {}
+    for name, weights in (("blocks", w), ("bf16", {k: v for k, v in w.items() if k != "quantized"})):
+        e = eng.Engine(Llama(cfg, weights), max_seqs=3, max_context=512, attention=attention,
+                       budget_tokens=64)
+        for slot, n in enumerate([40, 270, 290]):
+            e.prefill(slot, prompt[:n])
+        hlo = eng._decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
+                                jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
+        assert ("hisparse_matmul_blocks" in hlo) == (name == "blocks")
+        runs[name] = [(np.asarray(e.decode_step()), np.asarray(e.logits)) for _ in range(4)]
+    for (ta, la), (tb, lb) in zip(runs["blocks"], runs["bf16"]):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(la, lb)

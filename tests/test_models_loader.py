@@ -202,6 +202,33 @@ def test_gguf_forward_matches_reference(tmp_path, arch):
 
 # ---------------------------------------------------------------- bad files
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "F16", "Q4_0"])
+def test_gguf_blocks_kept_for_the_decode_kernel(tmp_path, qtype):
+    """Q4_1 and Q8_0 matrices (and a tied Q8_0 embedding) also keep their blocks, in
+    the decode kernel's tiles with the Q/K rows in the model's order: dequantized,
+    they are the loaded bf16 weights bit for bit. Other types keep none."""
+    from cpu_kernels import blocks
+    from hisparse_jax.models.llama import MATRICES
+    cfg = tiny_config(vocab_size=320)  # an embedding of whole 16-row tiles
+    _, w, _ = load_gguf(str(write_gguf(tmp_path / "m.gguf", cfg, hf_weights(cfg), qtype)))
+    quantized = w["quantized"]
+    if qtype not in blocks.FORMATS:
+        assert quantized == {"layers": {}}
+        return
+    assert sorted(quantized["layers"]) == sorted(MATRICES)
+    pairs = [(f"layers.{k}", t, np.swapaxes(w["layers"][k], -1, -2))
+             for k, t in quantized["layers"].items()] + [("embed", quantized["embed"], w["embed"])]
+    for name, (codes, scales), want in pairs:
+        got = np.asarray(blocks.dequantize(codes, scales))
+        np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want).view(np.uint16),
+                                      err_msg=name)
+    model = Llama(cfg, w)  # the model takes them, and checks their shapes
+    assert model.blocks.wq_codes[...].shape == quantized["layers"]["wq"][0].shape
+    bad = dict(w, quantized={"layers": {"wq": quantized["layers"]["wk"]}})
+    with pytest.raises(ValueError, match="quantized weight wq"):
+        Llama(cfg, bad)
+
+
 def test_gguf_corrupt(tmp_path):
     p = tmp_path / "junk.gguf"
     p.write_bytes(os.urandom(4096))

@@ -11,6 +11,11 @@ pairs 2i with 2i+1). We undo that permutation at load, so the model has HF's
 rows and HF's rotate-half RoPE, and an HF export is a plain copy. (The
 alternative, keeping llama.cpp's rows with interleaved RoPE, gives the same
 logits up to rounding; undoing it means one RoPE and one weight layout.)
+
+Q4_1 and Q8_0 matrices (and a tied embedding) are also kept in their blocks, laid
+out for the decode step's weight-product kernel (weights["quantized"],
+cpu_kernels/blocks.py): a decode step then reads 20 or 34 bytes per 32 weights
+instead of bf16's 64, and gets the same numbers as from the bf16 weights.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from cpu_kernels import blocks
 from hisparse_jax.models.llama import LlamaConfig, RopeScaling
 from hisparse_jax.models.tokenizer import Tokenizer
 
@@ -102,6 +108,16 @@ class _File:
                           np.float32).reshape(shape)
 
 
+    def tiles(self, name: str, row_order: np.ndarray | None = None) -> tuple | None:
+        """Matrix `name`'s blocks in the decode kernel's tiles (codes, scales;
+        cpu_kernels/blocks.py), or None where its type has no tiles."""
+        t = self.tensors[name]
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if not blocks.tileable(t.tensor_type.name, shape):
+            return None
+        return blocks.tile(t.data, t.tensor_type.name, *shape, row_order)
+
+
 def _f32(x) -> float:
     """A float32 metadata value as the shortest decimal that rounds to it (1e-5,
     not 9.999999747e-06): the value the checkpoint's author wrote."""
@@ -168,7 +184,8 @@ def read_tokenizer(path: str) -> Tokenizer | None:
 
 
 def load_gguf(path: str, *, tokenizer: bool = True):
-    """(LlamaConfig, weights in `llama.weight_shapes` layout (bf16 numpy), Tokenizer
+    """(LlamaConfig, weights in `llama.weight_shapes` layout (bf16 numpy) plus their
+    blocks where the file has them (`quantized`, `llama.check_weights`), Tokenizer
     or None)."""
     import ml_dtypes
     bf16 = ml_dtypes.bfloat16
@@ -192,19 +209,27 @@ def load_gguf(path: str, *, tokenizer: bool = True):
     if tok is not None and tok.vocab_size != cfg.vocab_size:
         raise ValueError(f"{path}: tokenizer has {tok.vocab_size} tokens, the embedding "
                          f"{cfg.vocab_size} rows")
-    layers = {}
+    layers, quantized = {}, {}
     progress = tqdm(layer_tensors.items(), desc=f"dequantizing {os.path.basename(path)}",
                     disable=not sys.stderr.isatty(), leave=False)
     for gguf_name, name in progress:
-        rows = []
+        rows, tiles = [], []
         for i in range(cfg.num_layers):
             w = f.tensor(f"blk.{i}.{gguf_name}")
+            order = None
             if permuted and name in heads:
                 w = unpermute_rows(w, heads[name])
+                order = unpermute_rows(np.arange(w.shape[0]), heads[name])
             rows.append((w.T if w.ndim == 2 else w).astype(bf16))
+            tiles.append(f.tiles(f"blk.{i}.{gguf_name}", order))
         layers[name] = np.stack(rows)
+        if all(t is not None for t in tiles):
+            quantized[name] = tuple(np.stack(part) for part in zip(*tiles))
     weights = {"embed": f.tensor("token_embd.weight").astype(bf16),
-               "norm": f.tensor("output_norm.weight").astype(bf16), "layers": layers}
+               "norm": f.tensor("output_norm.weight").astype(bf16), "layers": layers,
+               "quantized": {"layers": quantized}}
     if not cfg.tie_embeddings:
         weights["lm_head"] = f.tensor("output.weight").T.astype(bf16)
+    elif (embed := f.tiles("token_embd.weight")) is not None:
+        weights["quantized"]["embed"] = embed
     return cfg, weights, tok

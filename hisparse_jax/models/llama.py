@@ -178,9 +178,14 @@ MATMUL_MIN_ROWS = 4
 # hence the cut at 64. Both sum in the same order (bit-equal), so the switch never
 # shows in the numbers.
 KERNEL_MAX_ROWS = 64
+# Products of at most this many rows read a GGUF file's blocks where the model has
+# them (`Quantized`): a decode step's. The kernel dequantizes each tile once for
+# all its rows, which pays while the bytes read are the cost (a few rows).
+BLOCKS_MAX_ROWS = 16
 
 
-def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla") -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla",
+           blocks: tuple | None = None) -> jax.Array:
     """x [..., in] times w [out, in] (layer None) or w[layer] of stacked weights [L,
     out, in], transposed: in bf16, accumulated in float32.
 
@@ -188,7 +193,10 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla") -> 
     KERNEL_MAX_ROWS rows (a decode step's, a short prompt's) runs on the AMX kernel,
     which reads a stacked layer where it lies (cpu_kernels/matmul.cc); XLA copies
     the layer out of the stack first, and its few-row products stream the weights
-    slowly. Larger products are XLA's.
+    slowly. Larger products are XLA's. `blocks`: the same weights as the GGUF
+    file's blocks (codes, scales; cpu_kernels/blocks.py), which the kernel reads
+    instead for at most BLOCKS_MAX_ROWS rows: a third of the bytes, the same
+    numbers.
 
     In XLA, fewer than MATMUL_MIN_ROWS rows are padded with zeros: XLA:CPU's bf16
     matrix-vector path is ~10x slower than its matrix-matrix one (211 vs 22 ms for
@@ -200,6 +208,8 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla") -> 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     n = x2.shape[0]
+    if products == "cpu" and blocks is not None and n <= BLOCKS_MAX_ROWS:
+        return cpu_ops.matmul_blocks(x2, *blocks, layer).reshape(*lead, -1)
     if (products == "cpu" and n <= KERNEL_MAX_ROWS
             and cpu_ops.matmul_unsupported(n, x2.shape[1], w.shape[-2]) is None):
         return cpu_ops.matmul(x2, w, layer).reshape(*lead, -1)
@@ -243,17 +253,32 @@ def weight_shapes(cfg: LlamaConfig) -> dict[str, Any]:
     return shapes
 
 
+class Quantized(nnx.Variable):
+    """A matrix's GGUF blocks in the kernel's tiles (cpu_kernels/blocks.py), kept
+    beside its bf16 Param (which the prefill's products read): the weight tree's
+    optional `quantized` entry (`check_weights`)."""
+
+
+def _blocks(owner, name: str) -> tuple | None:
+    """(codes, scales) of `owner`'s matrix `name`, where it has them."""
+    codes = getattr(owner, name + "_codes", None)
+    return None if codes is None else (codes[...], getattr(owner, name + "_scales")[...])
+
+
 class Block(nnx.Module):
     """The decoder layers: each Param has a leading layer axis, and each method
     takes the layer's index (a traced int inside `Llama.layers`' scan), so that the
     weight products can read a layer where it lies (`matmul`). `products` is
     `matmul`'s."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, Any]):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Any], quantized: dict | None = None):
         self.cfg = cfg
         for name in layer_shapes(cfg):
             w = jnp.asarray(weights[name], jnp.bfloat16)
             setattr(self, name, nnx.Param(w.swapaxes(-1, -2) if name in MATRICES else w))
+        for name, (codes, scales) in (quantized or {}).items():
+            setattr(self, name + "_codes", Quantized(jnp.asarray(codes, jnp.uint8)))
+            setattr(self, name + "_scales", Quantized(jnp.asarray(scales, jnp.float16)))
 
     def __call__(self, x, positions, rope, caches, layer, attend: Attend, products="xla"):
         q, k, v = self.attention_inputs(x, positions, rope, layer, products)
@@ -292,7 +317,8 @@ class Block(nnx.Module):
     def product(self, x, name: str, layer, products="xla") -> jax.Array:
         """x @ layer `layer`'s weight matrix `name`: every product of the layers
         goes through here (`benchmarks/weight_quant.py` swaps in quantized ones)."""
-        return matmul(x, getattr(self, name)[...], layer, products=products)
+        return matmul(x, getattr(self, name)[...], layer, products=products,
+                      blocks=_blocks(self, name))
 
 
 class Llama(nnx.Module):
@@ -306,7 +332,11 @@ class Llama(nnx.Module):
         self.norm = nnx.Param(jnp.asarray(weights["norm"], jnp.bfloat16))
         self.lm_head = (None if cfg.tie_embeddings
                         else nnx.Param(jnp.asarray(weights["lm_head"], jnp.bfloat16).T))
-        self.blocks = Block(cfg, weights["layers"])
+        quantized = weights.get("quantized", {})
+        if cfg.tie_embeddings and "embed" in quantized:
+            self.embed_codes = Quantized(jnp.asarray(quantized["embed"][0], jnp.uint8))
+            self.embed_scales = Quantized(jnp.asarray(quantized["embed"][1], jnp.float16))
+        self.blocks = Block(cfg, weights["layers"], quantized.get("layers"))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.embed[...][tokens].astype(jnp.float32)
@@ -332,8 +362,9 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array, *, products: str = "xla") -> jax.Array:
         """Final norm and output projection: x [..., d] -> [..., V] float32."""
         h = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return matmul(h, head[...], products=products)
+        if self.lm_head is None:
+            return matmul(h, self.embed[...], products=products, blocks=_blocks(self, "embed"))
+        return matmul(h, self.lm_head[...], products=products)
 
     def weights(self) -> dict[str, Any]:
         """The weight tree (jax arrays, bf16) in `weight_shapes` layout."""
@@ -366,6 +397,21 @@ def check_weights(cfg: LlamaConfig, weights: dict[str, Any]):
                              f"{None if got is None else tuple(got.shape)}")
         elif not jnp.issubdtype(weights[name].dtype, jnp.floating):
             raise ValueError(f"weight {name}: dtype {weights[name].dtype}, expected a float")
+    # optional: {"embed": (codes, scales), "layers": {matrix: (codes, scales)}}, the
+    # GGUF blocks of those weights in cpu_kernels/blocks.py's tiles
+    quantized = weights.get("quantized", {})
+    tiles = [("embed", quantized["embed"], (cfg.hidden_size, cfg.vocab_size))] \
+        if "embed" in quantized else []
+    tiles += [(k, t, want["layers"][k][1:]) for k, t in quantized.get("layers", {}).items()]
+    for name, (codes, scales), (inputs, outputs) in tiles:
+        lead = (cfg.num_layers,) if name != "embed" else ()
+        grid = (*lead, outputs // 16, inputs // 32)
+        if (name != "embed" and name not in MATRICES or tuple(codes.shape[:-2]) != grid
+                or tuple(codes.shape[-2:]) not in ((8, 32), (16, 32))
+                or tuple(scales.shape) != (*grid, 2 if codes.shape[-2] == 8 else 1, 16)):
+            raise ValueError(f"quantized weight {name}: codes {tuple(codes.shape)} and scales "
+                             f"{tuple(scales.shape)} are not the tiles of a [{outputs}, {inputs}] "
+                             "matrix (cpu_kernels/blocks.py)")
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, Any]:

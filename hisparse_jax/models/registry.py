@@ -185,6 +185,8 @@ def load(model: str, *, num_layers: int | None = None, seed: int = 0,
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"num_layers={num_layers}: the model has {cfg.num_layers}")
         weights["layers"] = {k: v[:num_layers] for k, v in weights["layers"].items()}
+        q = weights.get("quantized", {})
+        q["layers"] = {k: tuple(a[:num_layers] for a in t) for k, t in q.get("layers", {}).items()}
         cfg = cfg.replace(num_layers=num_layers)
     return Llama(_with_overrides(cfg, overrides), weights), tok
 
