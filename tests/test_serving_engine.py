@@ -318,20 +318,37 @@ def test_a_parked_prompt_cancelled_frees_its_slot_and_stage(model, long_ids):
     assert eng.pool_available() == eng.cache_cfg.pool_pages and eng.stages_free() == 2
 
 
-@pytest.mark.parametrize("decode_s, slo, stages, width", [
-    ({}, 0.06, 2, 1),                        # nothing measured: one stream
-    ({1: 0.03}, 0.06, 2, 2),                 # 1 fits: 2 is tried
-    ({1: 0.03, 2: 0.05}, 0.06, 2, 2),
-    ({1: 0.03, 2: 0.07}, 0.06, 2, 1),        # 2 measured over the target
-    ({1: 0.07}, 0.06, 2, 1),
-    ({1: 0.03, 2: 0.05}, 0.06, 4, 3),        # up to the stages, one width at a time
-    ({1: 0.03, 2: 0.05, 3: 0.055, 4: 0.058}, 0.06, 4, 4),
+@pytest.mark.parametrize("decode_s, decode_dev, slo, stages, width", [
+    ({}, {}, 0.06, 2, 1),                                 # nothing measured: one stream
+    ({1: 0.03}, {}, 0.06, 2, 2),                          # 2 untried: 0.03 x 1.4 fits
+    ({1: 0.045}, {}, 0.06, 2, 1),                         # 0.063 does not
+    ({1: 0.03}, {1: 0.01}, 0.06, 2, 1),                   # (0.03 + 2 x 0.01) x 1.4
+    ({1: 0.03, 2: 0.05}, {}, 0.06, 2, 2),
+    ({1: 0.03, 2: 0.05}, {2: 0.006}, 0.06, 2, 1),         # 0.05 + 2 x 0.006 > 0.06
+    ({1: 0.03, 2: 0.07}, {}, 0.06, 2, 1),                 # 2 measured over the target
+    ({1: 0.07}, {}, 0.06, 2, 1),
+    ({1: 0.02, 2: 0.03}, {}, 0.06, 4, 4),                 # 3 and 4 untried: 0.042, 0.059
+    ({1: 0.03, 2: 0.05}, {}, 0.06, 4, 2),                 # 3 untried: 0.07
+    ({1: 0.03, 2: 0.05, 3: 0.055, 4: 0.058}, {}, 0.06, 4, 4),
+    ({1: 0.03, 2: 0.05, 3: 0.065, 4: 0.058}, {}, 0.06, 4, 2),  # the first over stops it
 ])
-def test_gang_width_table(decode_s, slo, stages, width):
+def test_gang_width_table(decode_s, decode_dev, slo, stages, width):
     sched = Scheduler(SimpleNamespace(max_seqs=4, cache_cfg=None, max_stages=stages), None,
                       tpot_slo=slo)
-    sched.decode_s = dict(decode_s)
+    sched.decode_s, sched.decode_dev = dict(decode_s), dict(decode_dev)
     assert sched._gang_width() == width
+
+
+def test_step_times_are_a_moving_average_and_deviation():
+    sched = Scheduler(SimpleNamespace(max_seqs=2, cache_cfg=None, max_stages=2), None,
+                      tpot_slo=0.06)
+    for took in (0.04, 0.08, 0.04):
+        sched._time_step(2, took)
+    # mean 0.04 -> 0.05 -> 0.0475; deviation 0 -> 0.01 -> 0.01 (its distance, 0.01)
+    assert sched.decode_s[2] == pytest.approx(0.0475)
+    assert sched.decode_dev[2] == pytest.approx(0.01)
+    assert sched._step_bound(2) == pytest.approx(0.0675)
+    assert sched._step_bound(1) is None
 
 
 @pytest.mark.parametrize("block_s, decode_s, first_ago, generated, slo, over", [

@@ -153,10 +153,17 @@ IDLE_WAIT_S = 0.05  # a step that found nothing to do waits this long, or for ne
 # program's fixed cost for a few rows of work. Powers of two: three programs.
 BATCH_PROMPT_ROWS = 64
 BATCH_SIZES = (8, 4, 2)
-# The weight of a decode step's newest time in `decode_s`, a moving average per
-# batch size: one step's time moves by 1.5x from minute to minute on a shared
-# 2-core machine, and a gang's width is judged by it.
+# The weight of a decode step's newest time in `decode_s` (a moving average per
+# batch size) and of its distance from that average in `decode_dev`: one step's
+# time moves by 1.5x from minute to minute on a shared 2-core machine. The TPOT
+# target judges a step by its average plus STEP_DEVIATIONS of those distances
+# (`_step_bound`), so that a width whose steps vary gets room under the target.
 STEP_SMOOTHING = 0.25
+STEP_DEVIATIONS = 2.0
+# A width not yet run is judged as the next narrower one's bound times this: a
+# 2-wide step took 1.18x a 1-wide one in a 2-slot engine and 1.35-1.4x in an
+# 8-slot one at 7.2K tokens (docs/serving.md, "Gangs").
+UNTRIED_WIDTH_GROWTH = 1.4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,10 +200,11 @@ class Scheduler:
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
         self.tpot_slo = None if tpot_slo is None else check_number("tpot_slo", tpot_slo, 0.0, above=True)
         # seconds the last prefill block of each (start, tokens, last block?) took,
-        # and a decode step of each batch size (a moving average, STEP_SMOOTHING):
-        # what the TPOT target judges by
+        # and a decode step of each batch size with its checks and sends (a moving
+        # average and deviation, STEP_SMOOTHING): what the TPOT target judges by
         self.block_s: dict[tuple[int, int, bool], float] = {}
         self.decode_s: dict[int, float] = {}
+        self.decode_dev: dict[int, float] = {}
         self.deferred = 0  # prefill blocks put off for the TPOT target
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
@@ -392,9 +400,10 @@ class Scheduler:
             # batched step would give them): the streams' pace starts with the decode
             gang, self.parked = self.parked, []  # a block that fails finishes its slot
             if len(gang) > 1:
-                log.info("a gang of %d streams starts (%d-wide decode step %s)", len(gang),
-                         len(gang), "not run yet" if len(gang) not in self.decode_s else
-                         f"{1e3 * self.decode_s[len(gang)]:.0f} ms")
+                bound = self._step_bound(len(gang))
+                log.info("a gang of %d streams starts (its step judged %s%s)", len(gang),
+                         "unknown" if bound is None else f"{1e3 * bound:.0f} ms",
+                         "" if len(gang) in self.decode_s else ", not run yet")
                 if self.metrics is not None:
                     self.metrics.gang_streams.inc(len(gang))
             firsts = [self._prefill_block(slot, self.slots[slot]) for slot in gang]
@@ -402,12 +411,9 @@ class Scheduler:
                 if first is not None:
                     self._emit(*first)
         live = np.array([s is not None and s.decoding for s in self.slots])
+        t = time.perf_counter()
         if live.any():
-            t = time.perf_counter()
             nxt = eng.decode_step(live)
-            took, width = time.perf_counter() - t, int(live.sum())
-            last = self.decode_s.get(width, took)
-            self.decode_s[width] = last + STEP_SMOOTHING * (took - last)
             bad = self._nonfinite(live)
             logits = eng.logits if any(s is not None and s.req.logprobs is not None
                                        for s in self.slots) else None
@@ -420,7 +426,25 @@ class Scheduler:
         with self.cond:
             self._gauges()
         self._cache_metrics(live)
+        if live.any():  # a token's whole cost to its stream: the step, its checks and sends
+            self._time_step(int(live.sum()), time.perf_counter() - t)
         return bool(spent or live.any())
+
+    def _time_step(self, width: int, took: float):
+        mean = self.decode_s.get(width, took)
+        dev = self.decode_dev.get(width, 0.0)
+        self.decode_dev[width] = dev + STEP_SMOOTHING * (abs(took - mean) - dev)
+        self.decode_s[width] = mean + STEP_SMOOTHING * (took - mean)
+
+    def _step_bound(self, width: int) -> float | None:
+        """What a decode step of `width` streams is judged to take: its moving
+        average plus STEP_DEVIATIONS of its moving deviation; a width not yet run,
+        the next narrower one's bound times UNTRIED_WIDTH_GROWTH; None if neither
+        has run."""
+        if width in self.decode_s:
+            return self.decode_s[width] + STEP_DEVIATIONS * self.decode_dev.get(width, 0.0)
+        narrower = self._step_bound(width - 1) if width > 1 else None
+        return None if narrower is None else narrower * UNTRIED_WIDTH_GROWTH
 
     def _block_key(self, seq: _Seq) -> tuple[int, int, bool]:
         """(start, rows, last block?) of `seq`'s next prompt block: what `block_s`
@@ -467,14 +491,12 @@ class Scheduler:
 
     def _gang_width(self) -> int:
         """How many streams a gang starts: the widest decode step (up to the
-        engine's prefill stages) within the TPOT target, by the moving average of
-        each width's steps. A width never run is tried once the narrower one fits."""
+        engine's prefill stages) judged to fit the TPOT target (`_step_bound`);
+        one where none is."""
         width = 1
-        for w in range(1, self.engine.max_stages + 1):
-            t = self.decode_s.get(w)
-            if t is None and w > 1 and self.decode_s.get(w - 1) is not None:
-                return w
-            if t is None or t > self.tpot_slo:
+        for w in range(2, self.engine.max_stages + 1):
+            bound = self._step_bound(w)
+            if bound is None or bound > self.tpot_slo:
                 break
             width = w
         return width
@@ -590,7 +612,9 @@ class Scheduler:
         block = self.block_s.get(key)
         if block is None:
             return True
-        step = self.decode_s.get(len(decoding), max(self.decode_s.values(), default=0.0))
+        step = self._step_bound(len(decoding))
+        if step is None:
+            step = max(self.decode_s.values(), default=0.0)
         done = time.perf_counter() + block + step
         # after it, a request with g tokens has g + 1: g gaps since its first
         return any((done - s.first) / max(s.generated, 1) > self.tpot_slo for s in decoding)
