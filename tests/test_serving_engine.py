@@ -353,6 +353,7 @@ def test_step_times_are_a_moving_average_and_deviation():
 
 @pytest.mark.parametrize("block_s, decode_s, first_ago, generated, slo, over", [
     ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.1, False),   # (0.5 + 0.23) / 10
+    ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.08, True),   # over 0.9 x the target
     ({(0, 512, False): 0.2}, {1: 0.03}, 0.5, 10, 0.05, True),
     ({(0, 512, False): 0.2}, {1: 0.03}, 0.0, 1, 0.2, True),     # right after its first
     ({(0, 512, False): 0.2}, {}, 0.5, 10, 0.1, False),          # no step measured: 0
