@@ -5,9 +5,13 @@ process (docs/results.md, "The weight products on AMX tiles"):
   model stored them before);
 - `xla_out_in`: XLA, weights stacked [L, out, in] (the model's layout now);
 - `amx`: the AMX kernel reading each layer of the [L, out, in] stack in place
-  (`cpu_kernels/matmul.cc`), where it runs.
-Random bf16 weights at the model's shapes. One JSON line per (rows, way): median
-ms of the whole loop, and the weights' bytes over it (GB/s).
+  (`cpu_kernels/matmul.cc`), where it runs;
+- `amx_q4_1`: the same kernel reading the weights as GGUF Q4_1 blocks
+  (`cpu_kernels/blocks.py`, what the model's decode step reads from a Q4_1 file;
+  at most 16 rows), dequantized tile by tile.
+Random bf16 weights at the model's shapes (random Q4_1 blocks for `amx_q4_1`).
+One JSON line per (rows, way): median ms of the whole loop, and the bytes it read
+over it (GB/s).
 
     python benchmarks/weight_products.py [--model smollm2-135m] [--rows 1 4 8]
 """
@@ -23,8 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import build
-from hisparse_jax.models.llama import MATMUL_MIN_ROWS, MATRICES, layer_shapes, matmul
+from cpu_kernels import blocks, build
+from hisparse_jax.models.llama import (
+    BLOCKS_MAX_ROWS,
+    MATMUL_MIN_ROWS,
+    MATRICES,
+    layer_shapes,
+    matmul,
+)
 from hisparse_jax.models.registry import load
 
 
@@ -65,15 +75,31 @@ def main(argv=None):
                 y, w[n], i, products=products)), None), x, layers)[0]
         return run
 
-    ways = {"xla_in_out": (jax.jit(xla_in_out), in_out),
-            "xla_out_in": (jax.jit(loop("xla")), out_in)}
+    def q4_1_blocks(name):
+        """Random Q4_1 blocks (f16 scales, every code) of each layer's matrix, tiled."""
+        n, k = out_in[name].shape[1:]
+        raw = rng.integers(0, 256, (cfg.num_layers, n, k // 32, 20), dtype=np.uint8)
+        raw[..., :4] = (rng.standard_normal((cfg.num_layers, n, k // 32, 2)) * 0.01).astype(
+            np.float16).view(np.uint8)
+        tiles = [blocks.tile(r.reshape(n, -1), "Q4_1", n, k) for r in raw]
+        return tuple(jnp.asarray(np.stack(part)) for part in zip(*tiles))
+
+    def blocks_loop(x, q):
+        return jax.lax.scan(lambda x, i: (chain(x, lambda y, n: matmul(
+            y, out_in[n], i, products="cpu", blocks=q[n])), None), x, layers)[0]
+
+    ways = {"xla_in_out": (jax.jit(xla_in_out), in_out, nbytes),
+            "xla_out_in": (jax.jit(loop("xla")), out_in, nbytes)}
     if build.amx_unavailable() is None:
-        ways["amx"] = (jax.jit(loop("cpu")), out_in)
+        ways["amx"] = (jax.jit(loop("cpu")), out_in, nbytes)
+        q = {n: q4_1_blocks(n) for n in MATRICES}
+        ways["amx_q4_1"] = (jax.jit(blocks_loop), q, sum(arr.nbytes for t in q.values() for arr in t))
     for rows in a.rows:
         x = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)), jnp.float32)
-        times = {k: [] for k in ways}
+        run = {k: v for k, v in ways.items() if k != "amx_q4_1" or rows <= BLOCKS_MAX_ROWS}
+        times = {k: [] for k in run}
         for r in range(a.repeats + 2):
-            for k, (f, w) in ways.items():
+            for k, (f, w, _) in run.items():
                 t = time.perf_counter()
                 f(x, w).block_until_ready()
                 if r >= 2:
@@ -81,7 +107,7 @@ def main(argv=None):
         for k, ts in times.items():
             ms = 1e3 * float(np.median(ts))
             print(json.dumps({"model": a.model, "rows": rows, "way": k,
-                              "ms": round(ms, 2), "gb_s": round(nbytes / ms / 1e6, 1),
+                              "ms": round(ms, 2), "gb_s": round(run[k][2] / ms / 1e6, 1),
                               "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
 
 
