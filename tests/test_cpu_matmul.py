@@ -9,6 +9,8 @@ projection, a layer read from a stack of several (the others hold other values,
 so reading the wrong one fails), NaN in one row, a traced layer index. Tolerance
 against the float32 reference: 1e-5 of the output's scale (the products of bf16
 are exact, the sums in another order); bitwise against the model's XLA product.
+The same kernel reading GGUF Q4_1 / Q8_0 blocks (cpu_kernels/blocks.py): bitwise
+against the bf16 kernel on the loader's dequantized weights.
 """
 
 from __future__ import annotations
@@ -193,15 +195,7 @@ def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
 # Weights in GGUF blocks (cpu_kernels/blocks.py): the decode step's products read
 # Q4_1 / Q8_0 tiles and dequantize them in the kernel, bit-equal to the bf16 kernel
 # on the loader's bf16 weights.
-BLOCK_CASES = [
-    Case(1, 576, 576),                       # wq, one sequence
-    Case(2, 192, 576, layers=30, layer=29),  # wk of the last layer
-    Case(3, 1536, 576, layers=3, layer=1),   # w_gate
-    Case(8, 576, 1536, layers=2, layer=0),   # w_down, eight sequences
-    Case(7, 48, 64),                         # three tiles: a unit's tail
-    Case(16, 80, 96, layers=2, layer=1),     # 64 + 16: a unit of one tile
-    Case(5, 1040, 32, scale=1e3),            # one input chunk, large values
-]
+BLOCK_CASES = CASES[:7]  # the few-row ones: 1 to 16 rows
 
 
 def make_blocks(kind: str, c: Case, seed=0, row_order=None):
