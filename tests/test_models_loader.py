@@ -362,9 +362,11 @@ def test_export_gguf_round_trip_is_bit_identical(tmp_path, arch, qtype):
     assert os.listdir(tmp_path / "out") == ["bf16.gguf"]
     cfg2, w2, tok2 = load_gguf(out)
     assert cfg2 == cfg
-    flat = lambda t: {**{k: v for k, v in t.items() if k != "layers"}, **t["layers"]}
+    flat = lambda t: {**{k: v for k, v in t.items() if k not in ("layers", "quantized")},
+                      **t["layers"]}
     a, b = flat(w), flat(w2)
     assert sorted(b) == sorted(a) and ("lm_head" in a) == (arch == "llama")
+    assert w["quantized"]["layers"] and w2["quantized"] == {"layers": {}}  # bf16: no blocks
     for name, x in a.items():
         assert b[name].dtype == x.dtype and b[name].shape == x.shape, name
         np.testing.assert_array_equal(b[name].view(np.uint16), x.view(np.uint16), err_msg=name)
