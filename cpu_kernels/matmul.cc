@@ -16,7 +16,12 @@
 // way each output is its own dot product over the input, 32 inputs at a time in
 // one order, whatever M is, so a row's result never depends on the others.
 //
-// Same function as cpu_kernels/reference.py's `matmul`.
+// A second handler (`HisparseMatmulBlocks`, up to 16 rows) reads the weights as a
+// GGUF file's Q4_1 or Q8_0 blocks and dequantizes each A tile just before its
+// product (`Blocks`): a third of the bytes, bit-equal to the bf16 weights' product.
+//
+// Same function as cpu_kernels/reference.py's `matmul` (of blocks.dequantize's
+// weights for the second).
 #include <algorithm>
 #include <cstdint>
 #include <vector>

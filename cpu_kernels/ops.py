@@ -209,7 +209,7 @@ def matmul(x, w, layer=None):
 
 def matmul_blocks(x, codes, scales, layer=None):
     """`matmul` of weights in GGUF blocks (cpu_kernels/blocks.py's tiles: codes [N /
-    16, K / 32, 16, B] and scales [N / 16, K / 32, S, 16], or stacks of them with a
+    16, K / 32, R, 32] and scales [N / 16, K / 32, S, 16], or stacks of them with a
     leading layer axis read at `layer`): x [M, K] with M at most 16 -> [M, N]
     float32, bit-equal to `matmul` of `blocks.dequantize(codes, scales)`."""
     why = build.amx_unavailable() or matmul_unsupported(x.shape[0], x.shape[1], 16)

@@ -107,7 +107,6 @@ class _File:
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
                           np.float32).reshape(shape)
 
-
     def tiles(self, name: str, row_order: np.ndarray | None = None) -> tuple | None:
         """Matrix `name`'s blocks in the decode kernel's tiles (codes, scales;
         cpu_kernels/blocks.py), or None where its type has no tiles."""
