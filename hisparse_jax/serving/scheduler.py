@@ -16,8 +16,8 @@ So a long prompt costs the running streams one block per step, never its whole
 prefill. With a TPOT target (`tpot_slo`, `--tpot-slo-ms`) a block runs beside
 running decodes only where no decoding request's time per output token (as
 `hisparse bench serve` counts it: from its first token to its latest) would
-exceed the target once the block and the next decode step are done, judged from
-what the same block and step took before (`_over_slo`). Deferred blocks wait for
+exceed SLACK_SHARE of the target once the block and the next decode step are
+done, judged from what the same block and step took before (`_over_slo`). Deferred blocks wait for
 slack or for the decodes to end: the running streams keep their pace and a
 waiting prompt pays in time to first token.
 
@@ -29,9 +29,10 @@ prefills, and the gang's last blocks then run back to back, their first tokens
 sent together at the end of that step, and the streams decode side by side.
 Several streams cost one step a little more than one (the weights are read once
 for all): at 7.2K tokens in a 2-slot engine, 45 ms against 38 (docs/serving.md). A gang
-is as wide as the widest decode step whose times (a moving average) fit the target
-(`_gang_width`; a width not yet run is tried once the narrower one fits), and a
-parked prompt waits only while another can join (one in its prefill, or the
+is as wide as the widest decode step judged to fit the target (`_gang_width`: a
+step's moving average plus two moving deviations, `_step_bound`; a width not yet
+run, the narrower one's bound times UNTRIED_WIDTH_GROWTH), and a parked prompt
+waits only while another can join (one in its prefill, or the
 queue's head with a slot, a stage and pages). Nothing decodes beside a parked
 prompt's last block: it waits for the running streams to end. The first of a
 gang pays the others' prefill in time to first token. A running sequence is never
