@@ -162,8 +162,8 @@ BATCH_SIZES = (8, 4, 2)
 STEP_SMOOTHING = 0.25
 STEP_DEVIATIONS = 2.0
 # A width not yet run is judged as the next narrower one's bound times this: a
-# 2-wide step took 1.18x a 1-wide one in a 2-slot engine and 1.35-1.4x in an
-# 8-slot one at 7.2K tokens (docs/serving.md, "Gangs").
+# 2-wide step took 1.17-1.24x a 1-wide one in a 2-slot engine at 7.2K tokens
+# (docs/serving.md, "Run 6 and after: gangs"), and steps swing more than that.
 UNTRIED_WIDTH_GROWTH = 1.4
 # A prompt block fills a stream's slack only up to this share of the TPOT target
 # (`_over_slo`): a block or step here often runs slower than its last time, and a
