@@ -4,14 +4,16 @@ process (docs/results.md, "The weight products on AMX tiles"):
 - `xla_in_out`: XLA, weights stacked [L, in, out] and sliced by the loop (how the
   model stored them before);
 - `xla_out_in`: XLA, weights stacked [L, out, in] (the model's layout now);
-- `amx`: the AMX kernel reading each layer of the [L, out, in] stack in place
-  (`cpu_kernels/matmul.cc`), where it runs;
-- `amx_q4_1`: the same kernel reading the weights as GGUF Q4_1 blocks
+- `kernel`: our kernel reading each layer of the [L, out, in] stack in place
+  (`cpu_kernels/matmul.cc`), where it runs: on AMX tiles, or on AVX-512 for up to
+  16 rows (`path` in the row; more rows there are XLA's);
+- `kernel_q4_1`: the same kernel reading the weights as GGUF Q4_1 blocks
   (`cpu_kernels/blocks.py`, what the model's decode step reads from a Q4_1 file;
   at most 16 rows), dequantized tile by tile.
-Random bf16 weights at the model's shapes (random Q4_1 blocks for `amx_q4_1`).
-One JSON line per (rows, way): median ms of the whole loop, and the bytes it read
-over it (GB/s).
+(Files before 2026-12-07 call those two `amx` and `amx_q4_1`.) Random bf16
+weights at the model's shapes (random Q4_1 blocks for `kernel_q4_1`). One JSON
+line per (rows, way): median ms of the whole loop, and the bytes it read over it
+(GB/s).
 
     python benchmarks/weight_products.py [--model smollm2-135m] [--rows 1 4 8]
 """
@@ -90,13 +92,14 @@ def main(argv=None):
 
     ways = {"xla_in_out": (jax.jit(xla_in_out), in_out, nbytes),
             "xla_out_in": (jax.jit(loop("xla")), out_in, nbytes)}
-    if build.amx_unavailable() is None:
-        ways["amx"] = (jax.jit(loop("cpu")), out_in, nbytes)
+    path = "amx" if build.amx_unavailable() is None else "avx512"
+    if build.products_unavailable() is None:
+        ways["kernel"] = (jax.jit(loop("cpu")), out_in, nbytes)
         q = {n: q4_1_blocks(n) for n in MATRICES}
-        ways["amx_q4_1"] = (jax.jit(blocks_loop), q, sum(arr.nbytes for t in q.values() for arr in t))
+        ways["kernel_q4_1"] = (jax.jit(blocks_loop), q, sum(arr.nbytes for t in q.values() for arr in t))
     for rows in a.rows:
         x = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)), jnp.float32)
-        run = {k: v for k, v in ways.items() if k != "amx_q4_1" or rows <= BLOCKS_MAX_ROWS}
+        run = {k: v for k, v in ways.items() if k != "kernel_q4_1" or rows <= BLOCKS_MAX_ROWS}
         times = {k: [] for k in run}
         for r in range(a.repeats + 2):
             for k, (f, w, _) in run.items():
@@ -107,6 +110,7 @@ def main(argv=None):
         for k, ts in times.items():
             ms = 1e3 * float(np.median(ts))
             print(json.dumps({"model": a.model, "rows": rows, "way": k,
+                              "path": path if k.startswith("kernel") else "xla",
                               "ms": round(ms, 2), "gb_s": round(run[k][2] / ms / 1e6, 1),
                               "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
 

@@ -44,6 +44,7 @@ TARGETS = {"hisparse_cold_logits": "HisparseColdLogits",
 _lock = threading.Lock()
 _why_not: list[str | None] = []  # [] = not tried yet; [None] = loaded; [reason]
 _amx: list[bool] = []  # the AMX kernels run here (set by _load)
+_products: list[bool] = []  # the weight products' kernels run here: AMX or AVX-512
 
 
 def _home() -> pathlib.Path:
@@ -96,6 +97,7 @@ def _load() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
     _amx.append(bool(lib.HisparseAmxReady()))
+    _products.append(bool(lib.HisparseProductsReady()))
 
 
 def unavailable() -> str | None:
@@ -119,6 +121,15 @@ def amx_unavailable() -> str | None:
     if why:
         return why
     return None if _amx[0] else "this CPU (or its kernel) gives no AMX-BF16 tiles"
+
+
+def products_unavailable() -> str | None:
+    """None where the weight products' kernel runs (cpu_kernels/matmul.cc): on AMX
+    tiles, or on AVX-512 for up to 16 rows (`ops.matmul_unsupported`). Else why not."""
+    why = unavailable()
+    if why:
+        return why
+    return None if _products[0] else "this CPU has neither AMX-BF16 tiles nor AVX-512"
 
 
 def unsupported(head_dim: int, group: int) -> str | None:

@@ -20,6 +20,12 @@
 // GGUF file's Q4_1 or Q8_0 blocks and dequantizes each A tile just before its
 // product (`Blocks`): a third of the bytes, bit-equal to the bf16 weights' product.
 //
+// Without AMX (or with `amx` 0), up to 16 rows run on AVX-512 instead
+// (`AvxFewRows`): each output's dot product in float32 fused multiply-adds, 16
+// inputs per lane, bf16 weights or blocks dequantized to the same bf16 values, so
+// that those two are bit-equal to each other (not to XLA's, which sums in another
+// order). More rows there are XLA's (`ops.matmul_unsupported`).
+//
 // Same function as cpu_kernels/reference.py's `matmul` (of blocks.dequantize's
 // weights for the second).
 #include <algorithm>
@@ -265,35 +271,157 @@ void ManyRows(ffi::ThreadPool& pool, const Shapes& s, const uint32_t* xpairs,
 }
 #endif  // HISPARSE_AMX
 
-// x [M, K] bf16, w [L, N, K] bf16, layer s32[] -> y [M, N] f32: y = x w[layer]^T.
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-#if !HISPARSE_AMX
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "hisparse matmul: built for a CPU without AMX-BF16");
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HISPARSE_AVX512 1
+// 16 bf16 (bits in 16-bit lanes) -> 16 floats.
+inline __m512 Bf16x16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 floats rounded to the nearest bf16 (ties to even, as numpy's and ml_dtypes'
+// casts round), as floats. Integer arithmetic: no AVX512-BF16 here. Weights only:
+// finite, so the carry into the exponent is the right rounding.
+inline __m512 RoundToBf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// Where AvxFewRows finds two weight rows' 32 inputs of chunk c as floats
+// (`Pair(n, c, w)`: w[0], w[1] inputs 0-15 and 16-31 of row n, w[2], w[3] of row
+// n + 1; n even), with the values of Bf16Rows / Blocks above.
+struct AvxBf16Rows {
+  const uint16_t* w;
+  int64_t K;
+  void Pair(int64_t n, int64_t c, __m512 out[4]) const {
+    for (int j = 0; j < 2; ++j) {
+      const __m256i* p = reinterpret_cast<const __m256i*>(w + (n + j) * K + c * 32);
+      out[2 * j] = Bf16x16(_mm256_loadu_si256(p));
+      out[2 * j + 1] = Bf16x16(_mm256_loadu_si256(p + 1));
+    }
+  }
+};
+
+template <int kCodes>
+struct AvxBlocks {
+  static constexpr int kScales = kCodes == 16 ? 2 : 1;
+  const uint8_t* codes;
+  const uint16_t* scales;
+  int64_t chunks;
+  void Pair(int64_t n, int64_t c, __m512 out[4]) const {
+    const int64_t t = n / 16 * chunks + c, r = n % 16;
+    const uint16_t* sc = scales + t * kScales * 16 + r;
+    if constexpr (kCodes == 16) {
+      // each row's 16 values (d * code + m, rounded to bf16) as a table that the
+      // codes index (vpermps reads an index's low 4 bits: the first row's nibble)
+      const uint8_t* q = codes + t * 16 * kCodes + r / 2 * 32;
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 t0 = RoundToBf16(_mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[0])),
+                                                    _mm512_set1_ps(_cvtsh_ss(sc[16]))));
+      const __m512 t1 = RoundToBf16(_mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[1])),
+                                                    _mm512_set1_ps(_cvtsh_ss(sc[17]))));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+        out[h] = _mm512_permutexvar_ps(b, t0);
+        out[2 + h] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t1);
+      }
+    } else {
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* q = codes + t * 16 * kCodes + (r + j) * 32;
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(sc[j]));
+        for (int h = 0; h < 2; ++h) {
+          const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+          out[2 * j + h] = RoundToBf16(_mm512_mul_ps(_mm512_cvtepi32_ps(b), d));
+        }
+      }
+    }
+  }
+};
+
+// Up to 16 rows on AVX-512: units of 16 outputs; in each, 4 outputs by up to 4 rows
+// at a time in 16 accumulators, each lane summing every 16th input of its dot
+// product down the input, then the lanes summed. A row's result never depends on
+// the other rows.
+template <typename Src>
+void AvxFewRows(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, const uint16_t* x,
+                const Src& src, float* out) {
+  std::vector<float> xf(M * K);  // x as floats
+  for (int64_t i = 0; i < M * K; i += 16)
+    _mm512_storeu_ps(&xf[i], Bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))));
+  const int64_t chunks = K / 32;
+  ParallelFor(pool, N / 16, [&](int64_t u) {
+    for (int64_t n0 = u * 16; n0 < u * 16 + 16; n0 += 4) {
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m0);
+        __m512 acc[4][4];
+        for (auto& a : acc)
+          for (auto& b : a) b = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          __m512 w[8];  // rows n0..n0+3: inputs 0-15 and 16-31 of each
+          src.Pair(n0, c, w);
+          src.Pair(n0 + 2, c, w + 4);
+          for (int64_t i = 0; i < rows; ++i) {
+            const __m512 x0 = _mm512_loadu_ps(&xf[(m0 + i) * K + c * 32]);
+            const __m512 x1 = _mm512_loadu_ps(&xf[(m0 + i) * K + c * 32 + 16]);
+            for (int j = 0; j < 4; ++j)
+              acc[i][j] = _mm512_fmadd_ps(w[2 * j + 1], x1, _mm512_fmadd_ps(w[2 * j], x0, acc[i][j]));
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int j = 0; j < 4; ++j) out[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+      }
+    }
+  });
+}
 #else
+#define HISPARSE_AVX512 0
+#endif
+
+// Whether the AMX path runs: built with it, asked for (`amx`), and granted.
+inline bool UseAmx(int32_t amx) {
+#if HISPARSE_AMX
+  return amx && AmxReady();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16, w [L, N, K] bf16, layer s32[] -> y [M, N] f32: y = x w[layer]^T.
+// amx 0: the AVX-512 path even where AMX runs (tests).
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t amx) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3)
     return ffi::Error::InvalidArgument("hisparse matmul: x [M, K] and w [L, N, K]");
-  const Shapes s{xd[0], xd[1], wd[1]};
-  const int64_t L = wd[0];
-  if (wd[2] != s.K || s.M < 1 || s.K % 32 || s.N % 16)
+  const int64_t M = xd[0], K = xd[1], N = wd[1], L = wd[0];
+  if (wd[2] != K || M < 1 || K % 32 || N % 16)
     return ffi::Error::InvalidArgument(
         "hisparse matmul: shapes (M >= 1, K % 32 == 0, N % 16 == 0)");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("hisparse matmul: layer out of range");
-  if (!AmxReady())
-    return ffi::Error(ffi::ErrorCode::kUnavailable,
-                      "hisparse matmul: the kernel refused AMX's tile state");
-  const uint16_t* wl = reinterpret_cast<const uint16_t*>(w.typed_data()) + l * s.N * s.K;
-  const uint32_t* xpairs = reinterpret_cast<const uint32_t*>(x.typed_data());
-  if (s.M <= kGroup)
-    FewRows(pool, s, xpairs, Bf16Rows(wl, s.K), y->typed_data());
-  else
-    ManyRows(pool, s, xpairs, wl, y->typed_data());
-  return ffi::Error::Success();
+  const uint16_t* wl = reinterpret_cast<const uint16_t*>(w.typed_data()) + l * N * K;
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.typed_data());
+  if (UseAmx(amx)) {
+#if HISPARSE_AMX
+    const Shapes s{M, K, N};
+    const uint32_t* xpairs = reinterpret_cast<const uint32_t*>(xb);
+    if (M <= kGroup)
+      FewRows(pool, s, xpairs, Bf16Rows(wl, K), y->typed_data());
+    else
+      ManyRows(pool, s, xpairs, wl, y->typed_data());
+    return ffi::Error::Success();
 #endif
+  }
+#if HISPARSE_AVX512
+  if (M <= kGroup) {
+    AvxFewRows(pool, M, K, N, xb, AvxBf16Rows{wl, K}, y->typed_data());
+    return ffi::Error::Success();
+  }
+#endif
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "hisparse matmul: more than 16 rows need AMX-BF16 (granted), and fewer AVX-512");
 }
 
 }  // namespace
@@ -304,7 +432,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseMatmul, MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("amx"));
 
 namespace {
 
@@ -313,39 +442,47 @@ namespace {
 // those blocks hold (R 8 and S 2: Q4_1; R 16 and S 1: Q8_0; see Blocks).
 ffi::Error MatmulBlocksImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scales,
-                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-#if !HISPARSE_AMX
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "hisparse matmul_blocks: built for a CPU without AMX-BF16");
-#else
+                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                            int32_t amx) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
   if (xd.size() != 2 || cd.size() != 5 || sd.size() != 5)
     return ffi::Error::InvalidArgument(
         "hisparse matmul_blocks: x [M, K], codes [L, N/16, K/32, R, 32], scales [L, N/16, K/32, S, 16]");
-  const int64_t L = cd[0];
-  const Shapes s{xd[0], xd[1], cd[1] * 16};
+  const int64_t L = cd[0], M = xd[0], K = xd[1], N = cd[1] * 16;
   const bool q4_1 = cd[3] == 8 && sd[3] == 2, q8_0 = cd[3] == 16 && sd[3] == 1;
-  if (!(q4_1 || q8_0) || s.M < 1 || s.M > kGroup || cd[2] * 32 != s.K || cd[4] != 32 ||
+  if (!(q4_1 || q8_0) || M < 1 || M > kGroup || cd[2] * 32 != K || cd[4] != 32 ||
       sd[0] != L || sd[1] != cd[1] || sd[2] != cd[2] || sd[4] != 16)
     return ffi::Error::InvalidArgument(
         "hisparse matmul_blocks: shapes (1 to 16 rows, Q4_1 or Q8_0 tiles of x's inputs)");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L)
     return ffi::Error::InvalidArgument("hisparse matmul_blocks: layer out of range");
-  if (!AmxReady())
-    return ffi::Error(ffi::ErrorCode::kUnavailable,
-                      "hisparse matmul_blocks: the kernel refused AMX's tile state");
   const int64_t tiles = cd[1] * cd[2];
   const uint8_t* c = codes.typed_data() + l * tiles * cd[3] * 32;
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.typed_data()) + l * tiles * sd[3] * 16;
-  const uint32_t* xpairs = reinterpret_cast<const uint32_t*>(x.typed_data());
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.typed_data());
+  if (UseAmx(amx)) {
+#if HISPARSE_AMX
+    const Shapes s{M, K, N};
+    const uint32_t* xpairs = reinterpret_cast<const uint32_t*>(xb);
+    if (q4_1)
+      FewRows(pool, s, xpairs, Blocks<16>{c, sc, cd[2]}, y->typed_data());
+    else
+      FewRows(pool, s, xpairs, Blocks<32>{c, sc, cd[2]}, y->typed_data());
+    return ffi::Error::Success();
+#endif
+  }
+#if HISPARSE_AVX512
   if (q4_1)
-    FewRows(pool, s, xpairs, Blocks<16>{c, sc, cd[2]}, y->typed_data());
+    AvxFewRows(pool, M, K, N, xb, AvxBlocks<16>{c, sc, cd[2]}, y->typed_data());
   else
-    FewRows(pool, s, xpairs, Blocks<32>{c, sc, cd[2]}, y->typed_data());
+    AvxFewRows(pool, M, K, N, xb, AvxBlocks<32>{c, sc, cd[2]}, y->typed_data());
   return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "hisparse matmul_blocks: built for a CPU without AMX-BF16 or AVX-512");
 #endif
 }
 
@@ -358,4 +495,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseMatmulBlocks, MatmulBlocksImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("amx"));
+
+// 1 where the weight products' kernels run: AMX-BF16 granted, or AVX-512 (up to 16
+// rows).
+extern "C" int HisparseProductsReady() {
+  return UseAmx(1) || HISPARSE_AVX512;
+}

@@ -183,42 +183,55 @@ def causal_attention(q, k, v, start, *, sm_scale=None, layer=None):
         sm_scale=np.float32(scale))
 
 
-def matmul_unsupported(rows: int, k: int, n: int) -> str | None:
-    """Why `matmul` cannot take x [rows, k] and weights of n outputs (None if it can)."""
+AVX512_MAX_ROWS = 16  # without AMX, the kernel's products of at most this many rows
+
+
+def matmul_unsupported(rows: int, k: int, n: int, amx: bool = True) -> str | None:
+    """Why `matmul` cannot take x [rows, k] and weights of n outputs (None if it can;
+    amx False: on its AVX-512 path)."""
     if rows < 1:
         return f"at least 1 row, got {rows}"
     if k % 32 or n % 16:
         return f"inputs a multiple of 32 and outputs of 16, got {k} and {n}"
+    if rows > AVX512_MAX_ROWS and (not amx or build.amx_unavailable()):
+        return f"more than {AVX512_MAX_ROWS} rows need AMX-BF16 tiles, got {rows}"
     return None
 
 
-def matmul(x, w, layer=None):
-    """`reference.matmul` on AMX tiles (`build.amx_unavailable` says where it runs):
-    x [M, K] times w [N, K], or w[layer] of stacked weights [L, N, K] read
-    in place, transposed -> [M, N] float32. The same products summed in the same
-    order as XLA:CPU's bf16 dot here (bit-equal in tests/test_cpu_matmul.py); each
-    row's result is independent of the other rows."""
-    why = build.amx_unavailable() or matmul_unsupported(x.shape[0], x.shape[1], w.shape[-2])
+def matmul(x, w, layer=None, *, amx=True):
+    """`reference.matmul` on the CPU (`build.products_unavailable` says where it
+    runs): x [M, K] times w [N, K], or w[layer] of stacked weights [L, N, K] read
+    in place, transposed -> [M, N] float32; each row's result is independent of
+    the other rows. On AMX tiles (where the CPU has them and `amx`): the same
+    products summed in the same order as XLA:CPU's bf16 dot there (bit-equal in
+    tests/test_cpu_matmul.py). Else on AVX-512, up to AVX512_MAX_ROWS rows: the
+    same products summed in another order (within float32's rounding)."""
+    why = build.products_unavailable() or matmul_unsupported(x.shape[0], x.shape[1],
+                                                             w.shape[-2], amx)
     if why:
         raise RuntimeError(why)
     w, layer = (w[None], 0) if layer is None else (w, layer)
     return jax.ffi.ffi_call("hisparse_matmul",
                             jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))(
-        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.asarray(layer, jnp.int32))
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.asarray(layer, jnp.int32),
+        amx=np.int32(bool(amx)))
 
 
-def matmul_blocks(x, codes, scales, layer=None):
+def matmul_blocks(x, codes, scales, layer=None, *, amx=True):
     """`matmul` of weights in GGUF blocks (cpu_kernels/blocks.py's tiles: codes [N /
     16, K / 32, R, 32] and scales [N / 16, K / 32, S, 16], or stacks of them with a
     leading layer axis read at `layer`): x [M, K] with M at most 16 -> [M, N]
-    float32, bit-equal to `matmul` of `blocks.dequantize(codes, scales)`."""
-    why = build.amx_unavailable() or matmul_unsupported(x.shape[0], x.shape[1], 16)
-    if why or x.shape[0] > 16:
-        raise RuntimeError(why or f"at most 16 rows, got {x.shape[0]}")
+    float32, bit-equal to `matmul` of `blocks.dequantize(codes, scales)` on the
+    same path (`amx`)."""
+    rows = x.shape[0]
+    why = (build.products_unavailable() or (rows > 16 and f"at most 16 rows, got {rows}")
+           or matmul_unsupported(rows, x.shape[1], 16))
+    if why:
+        raise RuntimeError(why)
     if layer is None:
         codes, scales, layer = codes[None], scales[None], 0
     n = codes.shape[1] * 16
     return jax.ffi.ffi_call("hisparse_matmul_blocks",
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         x.astype(jnp.bfloat16), codes.astype(jnp.uint8), scales.astype(jnp.float16),
-        jnp.asarray(layer, jnp.int32))
+        jnp.asarray(layer, jnp.int32), amx=np.int32(bool(amx)))

@@ -76,11 +76,18 @@ def resolve_prefill(implementation, head_dim: int) -> str:
 
 def resolve_products(implementation) -> str:
     """The model's weight products with few rows (a decode step's, a short
-    prompt's): "cpu", the AMX kernel reading stacked weights in place
-    (cpu_kernels/matmul.cc), where the AMX kernels apply (`_amx_kernels`); "xla"
-    otherwise. Products of more rows (a long prefill's blocks) are XLA's either way
-    (`models.llama.KERNEL_MAX_ROWS`)."""
-    return "cpu" if _amx_kernels(implementation) else "xla"
+    prompt's): "cpu", the kernel reading stacked weights in place
+    (cpu_kernels/matmul.cc: on AMX tiles, or on AVX-512 for up to 16 rows), where
+    it runs (`implementation` None or "cpu", the CPU backend,
+    `build.products_unavailable`); "xla" otherwise. Products of more rows (a long
+    prefill's blocks) are XLA's either way (`models.llama.KERNEL_MAX_ROWS`)."""
+    if implementation not in (None, "cpu"):
+        return "xla"
+    import jax
+    if jax.default_backend() != "cpu":
+        return "xla"
+    from cpu_kernels import build
+    return "xla" if build.products_unavailable() else "cpu"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,14 +20,20 @@ from pallas_kernels.quant import (
 )
 
 
-def _has_amx() -> bool:
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        return "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
+        return set(next((line for line in f if line.startswith("flags")), "").split())
 
 
 # The AMX kernels (cpu_kernels/causal_attention.cc, matmul.cc) run here
-AMX = jax.default_backend() == "cpu" and _has_amx()
+AMX = jax.default_backend() == "cpu" and "amx_bf16" in _cpu_flags()
 needs_amx = pytest.mark.skipif(not AMX, reason="the kernel runs on AMX-BF16 CPUs only")
+# The weight products' AVX-512 path (matmul.cc, up to 16 rows) runs here
+AVX512 = jax.default_backend() == "cpu" and {"avx512f", "avx512bw"} <= _cpu_flags()
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="the path runs on AVX-512 CPUs only")
+# The weight products' kernel's two paths, as `ops.matmul(..., amx=)` picks them
+PRODUCT_PATHS = [pytest.param(True, id="amx", marks=needs_amx),
+                 pytest.param(False, id="avx512", marks=needs_avx512)]
 
 
 def dequantized_kv(cfg, k, v):

@@ -190,13 +190,13 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla",
     out, in], transposed: in bf16, accumulated in float32.
 
     products="cpu" (`config.resolve_products`): a product of at most
-    KERNEL_MAX_ROWS rows (a decode step's, a short prompt's) runs on the AMX kernel,
-    which reads a stacked layer where it lies (cpu_kernels/matmul.cc); XLA copies
-    the layer out of the stack first, and its few-row products stream the weights
-    slowly. Larger products are XLA's. `blocks`: the same weights as the GGUF
-    file's blocks (codes, scales; cpu_kernels/blocks.py), which the kernel reads
-    instead for at most BLOCKS_MAX_ROWS rows: a third of the bytes, the same
-    numbers.
+    KERNEL_MAX_ROWS rows (a decode step's, a short prompt's) runs on the kernel,
+    which reads a stacked layer where it lies (cpu_kernels/matmul.cc; on AMX tiles,
+    or without them on AVX-512 for up to 16 rows); XLA copies the layer out of the
+    stack first, and its few-row products stream the weights slowly. Larger
+    products are XLA's. `blocks`: the same weights as the GGUF file's blocks
+    (codes, scales; cpu_kernels/blocks.py), which the kernel reads instead for at
+    most BLOCKS_MAX_ROWS rows: a third of the bytes, the same numbers.
 
     In XLA, fewer than MATMUL_MIN_ROWS rows are padded with zeros: XLA:CPU's bf16
     matrix-vector path is ~10x slower than its matrix-matrix one (211 vs 22 ms for
