@@ -162,9 +162,11 @@ BATCH_SIZES = (8, 4, 2)
 STEP_SMOOTHING = 0.25
 STEP_DEVIATIONS = 2.0
 # A width not yet run is judged as the next narrower one's bound times this: a
-# 2-wide step took 1.17-1.24x a 1-wide one in a 2-slot engine at 7.2K tokens
-# (docs/serving.md, "Run 6 and after: gangs"), and steps swing more than that.
-UNTRIED_WIDTH_GROWTH = 1.4
+# 2-wide step took 1.17-1.24x a 1-wide one in a 2-slot engine at 7.2K tokens on an
+# AMX Xeon (docs/serving.md, "Run 6 and after: gangs") and 1.49x on an Ice Lake
+# one, whose first gang under 1.4 ran over a 60 ms target (docs/serving.md,
+# "Without AMX"); steps swing more than that.
+UNTRIED_WIDTH_GROWTH = 1.6
 # A prompt block fills a stream's slack only up to this share of the TPOT target
 # (`_over_slo`): a block or step here often runs slower than its last time, and a
 # stream filled right up to the target ends over it (2026-12-07, a 60 ms target:
