@@ -30,8 +30,9 @@ HISPARSE_VLLM_CPU is removed from its environment). Caveats:
   dequantized to bf16, where llama.cpp runs the Q4_1 GGUF itself.
 - `python -m vllm.entrypoints.openai.api_server` (the CPU build's `vllm` console
   script fails), `--enforce-eager` (compiled mode starts in 155-205 s and recompiles
-  at every start), `--no-enable-prefix-caching`, `--dtype bfloat16`,
-  `--max-model-len MAX_CONTEXT`, `--max-num-seqs` = the highest concurrency.
+  at every start), `--no-enable-prefix-caching`, `--dtype bfloat16` (--vllm-dtype
+  float32 tries vLLM's float32 path on a CPU without AVX512-BF16 or AMX: docs/serving.md,
+  "Without AMX"), `--max-model-len MAX_CONTEXT`, `--max-num-seqs` = the highest concurrency.
 - Its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (--vllm-kv-space-gib, default 2, as
   bridge/bench_side_by_side.py; vLLM's own default is much more); the row's
   `kv_cache_tokens` is vLLM's "KV cache size: N tokens" start-up line.
@@ -173,6 +174,8 @@ def main():
                         "config.json (default: LOG_DIR/smollm2-135m-hf)")
     p.add_argument("--vllm-kv-space-gib", type=float, default=2,
                    help="vLLM's VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="vLLM's --dtype (the weights are bf16 either way)")
     p.add_argument("--servers", default="hisparse,dense,llamacpp,vllm")
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--input-len", default="1024")
@@ -244,7 +247,7 @@ def main():
                    "--model", model_dir, "--served-model-name", "smollm2-135m",
                    "--host", "127.0.0.1", "--port", str(port),
                    "--max-model-len", str(a.max_context), "--max-num-seqs", str(max(conc)),
-                   "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "bfloat16"]
+                   "--enforce-eager", "--no-enable-prefix-caching", "--dtype", a.vllm_dtype]
             # vLLM's own CPU_ATTN: no vllm.general_plugins entry point loads (the
             # hisparse one would override CPU_ATTN with HISPARSE_VLLM_CPU=1).
             proc = start(cmd, {"VLLM_PLUGINS": "",
@@ -290,7 +293,7 @@ def main():
                                tpot_slo_ms=a.tpot_slo_ms if name.endswith("-slo") else None)
                 if name == "vllm":
                     row.update(kv_cache_tokens=vllm_kv_tokens(log_path(name)),
-                               vllm_kv_space_gib=a.vllm_kv_space_gib)
+                               vllm_kv_space_gib=a.vllm_kv_space_gib, vllm_dtype=a.vllm_dtype)
                 with open(a.out, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{name} c={c}: {row['output_throughput']:.2f} tok/s out, "
