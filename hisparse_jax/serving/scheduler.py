@@ -29,7 +29,7 @@ prefills, and the gang's last blocks then run back to back, their first tokens
 sent together at the end of that step, and the streams decode side by side.
 Several streams cost one step a little more than one (the weights are read once
 for all): at 7.2K tokens in a 2-slot engine, 45 ms against 38 (docs/serving.md). A gang
-is as wide as the widest decode step judged to fit the target (`_gang_width`: a
+is as wide as the widest decode step judged to fit SLACK_SHARE of the target (`_gang_width`: a
 step's moving average plus two moving deviations, `_step_bound`; a width not yet
 run, the narrower one's bound times UNTRIED_WIDTH_GROWTH), and a parked prompt
 waits only while another can join (one in its prefill, or the
@@ -168,9 +168,10 @@ STEP_DEVIATIONS = 2.0
 # "Without AMX"); steps swing more than that.
 UNTRIED_WIDTH_GROWTH = 1.6
 # A prompt block fills a stream's slack only up to this share of the TPOT target
-# (`_over_slo`): a block or step here often runs slower than its last time, and a
-# stream filled right up to the target ends over it (2026-12-07, a 60 ms target:
-# TPOT median 57, P99 61 ms).
+# (`_over_slo`), and a gang's step must be judged within it (`_gang_width`): a
+# block or step here often runs slower than its last time, and a stream filled
+# right up to the target ends over it (2026-12-07, a 60 ms target: TPOT median 57,
+# P99 61 ms; a gang whose untried step was judged at 59 ms, P99 71 ms).
 SLACK_SHARE = 0.9
 
 
@@ -499,12 +500,12 @@ class Scheduler:
 
     def _gang_width(self) -> int:
         """How many streams a gang starts: the widest decode step (up to the
-        engine's prefill stages) judged to fit the TPOT target (`_step_bound`);
-        one where none is."""
+        engine's prefill stages) judged to fit SLACK_SHARE of the TPOT target
+        (`_step_bound`); one where none is."""
         width = 1
         for w in range(2, self.engine.max_stages + 1):
             bound = self._step_bound(w)
-            if bound is None or bound > self.tpot_slo:
+            if bound is None or bound > SLACK_SHARE * self.tpot_slo:
                 break
             width = w
         return width
