@@ -53,24 +53,26 @@ def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) ->
     return implementation
 
 
-def _amx_kernels(implementation) -> bool:
-    """The AMX kernels apply: `implementation` None or "cpu", the CPU backend, and
-    a CPU (and OS) that gives AMX-BF16 tiles (`cpu_kernels.build.amx_unavailable`)."""
+def _cpu_kernel_runs(implementation, why_not: str) -> bool:
+    """A CPU kernel applies: `implementation` None or "cpu", the CPU backend, and
+    `cpu_kernels.build.<why_not>()` None (e.g. "amx_unavailable": a CPU and OS that
+    give AMX-BF16 tiles)."""
     if implementation not in (None, "cpu"):
         return False
     import jax
     if jax.default_backend() != "cpu":
         return False
     from cpu_kernels import build
-    return build.amx_unavailable() is None
+    return getattr(build, why_not)() is None
 
 
 def resolve_prefill(implementation, head_dim: int) -> str:
     """The exact prefill attention's implementation: "cpu", the AMX kernel
-    (cpu_kernels/causal_attention.cc), where the AMX kernels apply (`_amx_kernels`)
+    (cpu_kernels/causal_attention.cc), where the AMX kernels apply (`_cpu_kernel_runs`)
     and head_dim is a multiple of 64 (at most 256); "xla"
     (`attention.causal_prefill_attention`) otherwise."""
-    ok = _amx_kernels(implementation) and head_dim % 64 == 0 and head_dim <= 256
+    ok = (_cpu_kernel_runs(implementation, "amx_unavailable") and head_dim % 64 == 0
+          and head_dim <= 256)
     return "cpu" if ok else "xla"
 
 
@@ -81,13 +83,7 @@ def resolve_products(implementation) -> str:
     it runs (`implementation` None or "cpu", the CPU backend,
     `build.products_unavailable`); "xla" otherwise. Products of more rows (a long
     prefill's blocks) are XLA's either way (`models.llama.KERNEL_MAX_ROWS`)."""
-    if implementation not in (None, "cpu"):
-        return "xla"
-    import jax
-    if jax.default_backend() != "cpu":
-        return "xla"
-    from cpu_kernels import build
-    return "xla" if build.products_unavailable() else "cpu"
+    return "cpu" if _cpu_kernel_runs(implementation, "products_unavailable") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,12 @@ bf16 alone by up to 0.3. Measured on this file (dense attention):
   its token is always within 0.28 of our best logit (a near-tie). Free-running,
   3 of 14 continuations are identical over all 32 tokens: each of the others
   diverges at a near-tie (our top-2 margin <= 0.28), after which the texts
-  differ. N-1 of N identical continuations would need llama.cpp's arithmetic,
-  so the test checks that every divergence starts at a near-tie (< NEAR_TIE)
-  and that no fewer continuations are identical than measured.
+  differ. The count moves with the decode's summation order: on an Ice Lake
+  Xeon (no AMX, 2026-12-07) 4 of 14 with XLA's weight products and 2 of 14 with
+  the product kernel's AVX-512 path (the default there), every divergence at a
+  margin of at most 0.26 and 0.22. N-1 of N identical continuations would need
+  llama.cpp's arithmetic, so the test checks strictly that every divergence
+  starts at a near-tie (< NEAR_TIE), and that at least 2 are identical.
 - HiSparse with every page attended (the cache holds these short prompts in its
   bf16 tiers), 2 prompts: the same checks pass (61/64, gap <= 0.10); its logits
   differ from dense by up to 0.37 (0.49 over 4 prompts): float summation order,
@@ -101,7 +104,7 @@ LOGPROB_TOL = 1.0      # top-64 log-probabilities (0.80)
 CENTRED_TOL = 0.9      # strided logits minus their mean (0.70)
 RAW_TOP_TOL = 1.4      # raw top-64 logits (1.08)
 RAW_STRIDED_TOL = 2.0  # raw strided logits (1.55)
-MIN_IDENTICAL = 3      # of 14 free-running 32-token greedy continuations (3)
+MIN_IDENTICAL = 2      # of 14 free-running 32-token greedy continuations (2-4)
 HISPARSE_TOL = 0.7     # HiSparse (all pages) vs dense decode logits (0.49)
 # llama.cpp on the BF16 GGUF of our weights (measured in the module docstring)
 NEAR_TIE_BF16 = 0.1           # nats: greedy gaps and our margins at divergences (0.036)

@@ -163,7 +163,7 @@ STEP_SMOOTHING = 0.25
 STEP_DEVIATIONS = 2.0
 # A width not yet run is judged as the next narrower one's bound times this: a
 # 2-wide step took 1.17-1.24x a 1-wide one in a 2-slot engine at 7.2K tokens on an
-# AMX Xeon (docs/serving.md, "Run 6 and after: gangs") and 1.49x on an Ice Lake
+# AMX Xeon (docs/serving.md, "Run 6 and after: gangs") and 1.27-1.49x on an Ice Lake
 # one, whose first gang under 1.4 ran over a 60 ms target (docs/serving.md,
 # "Without AMX"); steps swing more than that.
 UNTRIED_WIDTH_GROWTH = 1.6
