@@ -247,6 +247,30 @@ def test_hisparse_engine_tracks_dense(tiny):
     assert diff < 0.03, diff  # measured 0.0116
 
 
+@pytest.mark.parametrize("page", [16, 32])
+def test_hisparse_engine_pages_of_any_size(tiny, page):
+    """An overridden page size rounds the engine's context to whole pages of it (500
+    tokens: 512), and the model still tracks dense attention through every tier."""
+    prompt = list(np.random.default_rng(1).integers(3, 300, 470))
+    small = {"page_size": page, "hot_tokens": 32, "warm_tokens": 64}
+    logits = {}
+    for attention in ("dense", "hisparse"):
+        e = Engine(tiny, max_context=500, attention=attention, budget_tokens=64,
+                   cache_overrides=small if attention == "hisparse" else None)
+        e.prefill(0, prompt)
+        rows = [np.asarray(e.logits).reshape(-1)]  # one slot: [V] after a prefill, [1, V] after a step
+        for t in (5, 7, 11):  # the same tokens fed to both
+            e.decode_step(tokens=np.array([t]))
+            rows.append(np.asarray(e.logits).reshape(-1))
+        logits[attention] = np.stack(rows)
+        if attention == "hisparse":
+            assert (e.cache_cfg.page_size, e.cache_cfg.max_context) == (page, 512)
+    diff = np.abs(logits["hisparse"] - logits["dense"]).max() / np.abs(logits["dense"]).max()
+    assert diff < 0.03, diff
+    with pytest.raises(ValueError, match="page_size"):
+        Engine(tiny, max_context=500, cache_overrides={"page_size": 24})
+
+
 def test_one_program_per_shape(tiny):
     e = Engine(tiny, max_seqs=2, max_context=64, attention="hisparse")
     e.prefill(0, [1, 2, 3, 4, 5])

@@ -478,10 +478,14 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
         if attention == "hisparse":
-            # The "model" preset's selection (config.PRESETS says why), the model's shapes
-            self.cache_cfg = preset("model").replace(
+            # The "model" preset's selection (config.PRESETS says why), the model's shapes,
+            # the context in whole pages (of an overridden page size too)
+            base = preset("model")
+            page = (cache_overrides or {}).get("page_size", base.page_size)
+            page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
+            self.cache_cfg = base.replace(
                 num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
-                max_context=-(-max_context // 16) * 16, max_seqs=max_seqs,
+                max_context=-(-max_context // page) * page, max_seqs=max_seqs,
                 budget_tokens=budget_tokens, **(cache_overrides or {}))
             # committed to the device, as every later value is (one program per shape)
             self.caches = jax.device_put((_offloaded if offload else st.init_stacked)(
