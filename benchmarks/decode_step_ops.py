@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -82,6 +83,7 @@ def main(argv=None):
         with gzip.open(trace) as f:
             events = json.load(f)["traceEvents"]
     names = ffi_targets()
+    shutil.rmtree(DUMP, ignore_errors=True)
     ms, count = collections.Counter(), collections.Counter()
     for ev in events:  # XLA's operations carry their HLO op's name
         if ev.get("ph") == "X" and "hlo_op" in ev.get("args", {}):
