@@ -266,7 +266,7 @@ def test_hisparse_engine_pages_of_any_size(tiny, page):
         if attention == "hisparse":
             assert (e.cache_cfg.page_size, e.cache_cfg.max_context) == (page, 512)
     diff = np.abs(logits["hisparse"] - logits["dense"]).max() / np.abs(logits["dense"]).max()
-    assert diff < 0.03, diff
+    assert diff < 0.03, diff  # measured 0.0079 (pages of 16), 0.0054 (32)
     with pytest.raises(ValueError, match="page_size"):
         Engine(tiny, max_context=500, cache_overrides={"page_size": 24})
 
