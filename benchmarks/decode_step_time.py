@@ -10,7 +10,8 @@ what one request (or a few) costs in a server of --max-seqs slots:
 
 Another tree side by side (docs/serving.md, "Decode width"): run the same
 command from a git worktree of it with PYTHONPATH=that worktree, alternating.
---pool-scoring-ratio R sets the lookup's `POOL_SCORING_RATIO` before anything
+--set FIELD=N ... overrides the cache config (e.g. `--set value_group=32
+hot_tokens=128`, the tiers before 2026-12-08). --pool-scoring-ratio R sets the lookup's `POOL_SCORING_RATIO` before anything
 compiles (0: always gather each sequence's digest rows; a large R: always score
 the whole pool), to compare its two paths in a server's engine.
 """
@@ -42,7 +43,13 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-scoring-ratio", type=float, default=None,
                    help="the lookup's POOL_SCORING_RATIO (default: the shipped one)")
+    p.add_argument("--set", nargs="+", default=[], metavar="FIELD=N",
+                   help="integer cache config overrides")
     args = p.parse_args(argv)
+    try:
+        overrides = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    except ValueError:
+        p.error(f"--set {' '.join(args.set)}: expected FIELD=N (integers)")
     if args.pool_scoring_ratio is not None:
         lookup_ref.POOL_SCORING_RATIO = args.pool_scoring_ratio
     active = [int(a) for a in args.active.split(",")]
@@ -54,7 +61,7 @@ def main(argv=None):
     if len(ids) < args.context + 50 * args.max_seqs:
         p.error(f"--context {args.context}: the text has {len(ids)} tokens")
     e = Engine(model, max_seqs=args.max_seqs, max_context=args.context + 512,
-               budget_tokens=args.budget)
+               budget_tokens=args.budget, cache_overrides=overrides)
     for b in range(args.max_seqs):  # other text in every slot
         e.prefill(b, ids[50 * b:50 * b + args.context])
     for a in active:
@@ -68,7 +75,7 @@ def main(argv=None):
             times.append(time.perf_counter() - t)
         print(json.dumps({"active": a, "width": e.decode_width(mask),
                           "max_seqs": args.max_seqs, "context": args.context,
-                          "budget": args.budget, "steps": args.steps,
+                          "budget": args.budget, "steps": args.steps, "set": overrides,
                           "pool_scoring_ratio": lookup_ref.POOL_SCORING_RATIO,
                           "median_step_ms": round(1000 * float(np.median(times)), 1)}),
               flush=True)

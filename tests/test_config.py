@@ -8,7 +8,7 @@ from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset, re
 @pytest.mark.parametrize("field,value", [
     ("page_size", 24), ("page_size", 0), ("head_dim", 63), ("hot_tokens", 8),
     ("hot_tokens", 100), ("warm_tokens", 17), ("budget_tokens", 100), ("budget_tokens", -2),
-    ("value_group", 48), ("max_context", 1000), ("num_kv_heads", 0), ("bound_share", 1.5),
+    ("value_group", 48), ("value_group", 96), ("value_group", 256), ("max_context", 1000), ("num_kv_heads", 0), ("bound_share", 1.5),
     ("max_seqs", -1), ("num_pool_pages", 0), ("rerank_multiple", 0.5),
     ("rerank_multiple", float("nan")), ("rerank_sample_pages", -1), ("rerank_sample_pages", 1.5),
     ("rerank_weight", "mas"), ("rerank_weight", None),
@@ -16,6 +16,11 @@ from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset, re
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         HiSparseConfig(**{field: value})
+
+
+@pytest.mark.parametrize("group", [1, 8, 64, 128])
+def test_a_value_group_lies_in_one_half_of_a_row_or_is_the_row(group):
+    assert HiSparseConfig(head_dim=128, value_group=group).value_group == group
 
 
 def test_frozen_and_presets():

@@ -25,7 +25,7 @@ def server(tmp_path_factory):
             "--max-context", "512"]
     with running_server(args, log, 600) as (url, proc):
         # the capacity planner's slots: 2 full 512-token contexts in 16 MiB (per model)
-        assert log.read_text().count("(device 15.3 MiB, host 0.0 MiB), 2 sequences of 512") == 2
+        assert log.read_text().count("(device 13.2 MiB, host 0.0 MiB), 2 sequences of 512") == 2
         yield url
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=120) == 0

@@ -437,6 +437,22 @@ def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graph
 
 # ---------------------------------------------------------------- the engine
 
+def model_cache_config(mc, max_context: int, max_seqs: int, budget_tokens: int,
+                       overrides: dict | None = None) -> HiSparseConfig:
+    """The cache config a model's engine runs (and the server's planner sizes): the
+    "model" preset (config.PRESETS says why), the model's shapes, the context in
+    whole pages (of an overridden page size too). A value group longer than a head's
+    row becomes the row."""
+    base = preset("model")
+    overrides = {"value_group": min(base.value_group, mc.head_dim), **(overrides or {})}
+    page = overrides.get("page_size", base.page_size)
+    page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
+    return base.replace(
+        num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
+        max_context=-(-max_context // page) * page, max_seqs=max_seqs,
+        budget_tokens=budget_tokens, **overrides)
+
+
 class Engine:
     """Slots 0..max_seqs-1, each a sequence in the caches.
 
@@ -478,15 +494,8 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
         if attention == "hisparse":
-            # The "model" preset's selection (config.PRESETS says why), the model's shapes,
-            # the context in whole pages (of an overridden page size too)
-            base = preset("model")
-            page = (cache_overrides or {}).get("page_size", base.page_size)
-            page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
-            self.cache_cfg = base.replace(
-                num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
-                max_context=-(-max_context // page) * page, max_seqs=max_seqs,
-                budget_tokens=budget_tokens, **(cache_overrides or {}))
+            self.cache_cfg = model_cache_config(mc, max_context, max_seqs, budget_tokens,
+                                                cache_overrides)
             # committed to the device, as every later value is (one program per shape)
             self.caches = jax.device_put((_offloaded if offload else st.init_stacked)(
                 self.cache_cfg, layers), jax.devices()[0])

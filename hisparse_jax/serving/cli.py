@@ -103,12 +103,11 @@ def plan_slots(mc, context: int, cfg, budget: int) -> tuple[int, str]:
     or as many full contexts as --kv-cache-memory holds; `budget`: the HiSparse
     decode budget (tokens)."""
     from hisparse_jax import capacity
-    from hisparse_jax.config import HiSparseConfig
+    from hisparse_jax.models.engine import model_cache_config
     shape = capacity.ModelShape("served", mc.num_layers, mc.num_kv_heads, mc.num_heads,
                                 mc.head_dim)
     if cfg.attention == "hisparse":
-        preset = HiSparseConfig(num_kv_heads=mc.num_kv_heads, gqa_group=mc.group,
-                                head_dim=mc.head_dim, budget_tokens=budget)
+        preset = model_cache_config(mc, context, 1, budget)  # what the engine runs
         p = capacity.plan(shape, context, cfg.kv_cache_memory, preset=preset,
                           offload=cfg.offload)
         per_seq, host = p["device_bytes"], p["host_bytes"]
