@@ -11,9 +11,10 @@ what one request (or a few) costs in a server of --max-seqs slots:
 Another tree side by side (docs/serving.md, "Decode width"): run the same
 command from a git worktree of it with PYTHONPATH=that worktree, alternating.
 --set FIELD=N ... overrides the cache config (e.g. `--set value_group=32
-hot_tokens=128`, the tiers before 2026-12-08). --pool-scoring-ratio R sets the lookup's `POOL_SCORING_RATIO` before anything
-compiles (0: always gather each sequence's digest rows; a large R: always score
-the whole pool), to compare its two paths in a server's engine.
+hot_tokens=128`, the served tiers before 57b5c15). --pool-scoring-ratio R sets
+the lookup's `POOL_SCORING_RATIO` before anything compiles (0: always gather
+each sequence's digest rows; a large R: always score the whole pool), to compare
+its two paths in a server's engine.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ PRESETS: dict[str, HiSparseConfig] = {
     # is why the attention-only default stays 1.25x (5x dense at 128K).
     # Its bytes: one value scale/zero per 64 channels and a 64-token bf16 window put
     # a served 7.5K sequence at 3.01x bf16's bytes (2.84x with 32 and 128); next-token
-    # KL at 1/16 0.0165 -> 0.0182, top-1 0.938 -> 0.936 (docs/serving.md, "KV memory").
+    # KL at 1/16 0.0165 -> 0.0182, top-1 0.938 -> 0.936 (docs/serving.md, "KV memory at 7.5K: 3x").
     "model": HiSparseConfig(rerank_multiple=2.0, quest_lead=1.0, quest_floor_mass=0.4,
                             value_group=64, hot_tokens=64),
 }

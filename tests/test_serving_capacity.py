@@ -39,3 +39,11 @@ def test_a_served_sequence_is_a_third_of_bf16s_bytes():
 def test_the_planner_fits_3x_the_bf16_sequences_per_gib(gib):
     hisparse, dense = (_slots(a, SERVED, gib << 30) for a in ("hisparse", "dense"))
     assert hisparse >= 3 * dense, (hisparse, dense)
+
+
+@pytest.mark.parametrize("head_dim,group", [(6, 6), (32, 32), (64, 64), (96, 48), (128, 64)])
+def test_the_value_group_is_the_longest_the_row_allows(head_dim, group):
+    """Up to the preset's 64: the whole row, or a divisor of its half (codes pack
+    channel j with j + head_dim/2)."""
+    cfg = model_cache_config(SMOLLM2.replace(head_dim=head_dim), 512, 1, 64)
+    assert cfg.value_group == group

@@ -441,10 +441,13 @@ def model_cache_config(mc, max_context: int, max_seqs: int, budget_tokens: int,
                        overrides: dict | None = None) -> HiSparseConfig:
     """The cache config a model's engine runs (and the server's planner sizes): the
     "model" preset (config.PRESETS says why), the model's shapes, the context in
-    whole pages (of an overridden page size too). A value group longer than a head's
-    row becomes the row."""
+    whole pages (of an overridden page size too). The value group is the longest the
+    head's row allows (the row, or a divisor of its half) up to the preset's."""
     base = preset("model")
-    overrides = {"value_group": min(base.value_group, mc.head_dim), **(overrides or {})}
+    half = mc.head_dim // 2
+    group = max(g for g in (mc.head_dim, *range(1, half + 1))
+                if g <= base.value_group and (g == mc.head_dim or half % g == 0))
+    overrides = {"value_group": group, **(overrides or {})}
     page = overrides.get("page_size", base.page_size)
     page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
     return base.replace(
