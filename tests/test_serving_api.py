@@ -665,13 +665,13 @@ def test_queue_full_answers_503_with_retry_after(server):
 
 # ---------------------------------------------------------------- faults: the pool, NaN
 
-FAULT_POOL = 8  # cold pages per layer: a 610-token sequence takes 6 (cold from 529 tokens on)
+FAULT_POOL = 8  # cold pages per layer: a 546-token sequence takes 6 (cold from 465 tokens on)
 
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory):
     """A second server: 2 slots over a cold page pool of FAULT_POOL pages per layer
-    (two 610-token sequences need 12), with --fault-injection (a request's
+    (two 546-token sequences need 12), with --fault-injection (a request's
     fault_nan_kv_after turns its K/V to NaN)."""
     log = tmp_path_factory.mktemp("fault") / "serve.log"
     args = ["--max-seqs", "2", "--max-context", str(CONTEXT), "--kv-pool-pages",
@@ -714,9 +714,9 @@ def test_pool_running_out_never_corrupts_another_stream(fault_server, tok):
     Both streams equal their served-alone output; a request that needs more than
     the whole pool gets a 400 at once; afterwards no page is in use."""
     doc = tok.encode(DOC * 60)
-    bodies = [{"prompt": doc[i:i + 590], "max_tokens": 20, "temperature": 0,
+    bodies = [{"prompt": doc[i:i + 526], "max_tokens": 20, "temperature": 0,
                "ignore_eos": True, "stream": True} for i in (0, 7)]
-    assert all(len(b["prompt"]) == 590 for b in bodies)
+    assert all(len(b["prompt"]) == 526 for b in bodies)
     alone = [_streamed(_sse(fault_server, b)) for b in bodies]
     assert all(a[1] == "length" and a[2] is None for a in alone)
     assert alone[0][0] != alone[1][0]
