@@ -181,10 +181,8 @@ class HiSparseConfig:
         p = self.page_size
         need(p & (p - 1) == 0, "page_size", "must be a power of two")
         need(self.head_dim % 2 == 0, "head_dim", "must be even (two int4 codes per byte)")
-        # a group lies within one half of the packed codes, or is the whole row
         need(is_int(self.value_group) and self.value_group >= 1
-             and ((self.head_dim // 2) % self.value_group == 0
-                  or self.value_group == self.head_dim),
+             and value_group_fits(self.head_dim, self.value_group),
              "value_group", f"must divide head_dim/2={self.head_dim // 2} or be head_dim")
         need(self.hot_tokens >= p and self.hot_tokens % p == 0, "hot_tokens",
              f"must be a positive multiple of page_size={p}")
@@ -293,6 +291,12 @@ class HiSparseConfig:
 
     def replace(self, **changes) -> HiSparseConfig:
         return dataclasses.replace(self, **changes)
+
+
+def value_group_fits(head_dim: int, group: int) -> bool:
+    """int4 codes pack channel j with j + head_dim/2, so a value group lies within
+    one half of a row, or is the whole row."""
+    return group == head_dim or (head_dim // 2) % group == 0
 
 
 PRESETS: dict[str, HiSparseConfig] = {

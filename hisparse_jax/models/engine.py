@@ -59,6 +59,7 @@ from hisparse_jax.config import (
     resolve_implementation,
     resolve_prefill,
     resolve_products,
+    value_group_fits,
 )
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import (
@@ -444,9 +445,8 @@ def model_cache_config(mc, max_context: int, max_seqs: int, budget_tokens: int,
     whole pages (of an overridden page size too). The value group is the longest the
     head's row allows (the row, or a divisor of its half) up to the preset's."""
     base = preset("model")
-    half = mc.head_dim // 2
-    group = max(g for g in (mc.head_dim, *range(1, half + 1))
-                if g <= base.value_group and (g == mc.head_dim or half % g == 0))
+    group = max(g for g in range(1, min(base.value_group, mc.head_dim) + 1)
+                if value_group_fits(mc.head_dim, g))
     overrides = {"value_group": group, **(overrides or {})}
     page = overrides.get("page_size", base.page_size)
     page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
