@@ -4,7 +4,11 @@ tok/s and P99 TPOT (vLLM's own serving benchmark) at long prompts and concurrenc
 
     .venv-vllm/bin/python -m bridge.bench_side_by_side --model DIR \\
         [--input-len 7500] [--output-len 64] [--num-prompts 8] [--concurrency 8] \\
-        [--kv-space-gib 2] [--budget-tokens N] [--out bridge/results/side_by_side_cpu.json]
+        [--kv-space-gib 2] [--budget-tokens N] [--variant NAME=JSON ...] \\
+        [--out bridge/results/side_by_side_cpu.json]
+
+A `--variant` adds a HiSparse row with HISPARSE_CONFIG=JSON (say, other tiers), run
+after the bridge's own settings.
 
 Each server binds 127.0.0.1 on a free port and is stopped (by PID) before the next
 starts; both use enforce_eager, max_model_len 8192, no prefix caching. The JSON
@@ -86,22 +90,34 @@ def main(argv=None):
     p.add_argument("--budget-tokens", type=int, default=None,
                    help="HISPARSE_BUDGET_TOKENS (default: the bridge's own, a 16th of "
                         "--max-model-len within 512-2048; the bridge_log line names it)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="one more HiSparse row, with HISPARSE_CONFIG=JSON (repeatable)")
     p.add_argument("--out", default="bridge/results/side_by_side_cpu.json")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
+    variants = []
+    for v in args.variant:
+        name, sep, fields = v.partition("=")
+        if not (sep and name) or name in ("cpu_attn", "hisparse"):
+            p.error(f"--variant {v!r}: NAME=JSON, NAME not cpu_attn or hisparse")
+        try:
+            json.loads(fields)
+        except ValueError:
+            p.error(f"--variant {v!r}: {fields!r} is not JSON")
+        variants.append((name, fields))
     log_dir = args.log_dir or os.path.join(os.path.dirname(args.out) or ".", "logs")
     os.makedirs(log_dir, exist_ok=True)
+    hisparse_env = {"HISPARSE_VLLM_CPU": "1"} | (
+        {} if args.budget_tokens is None else {"HISPARSE_BUDGET_TOKENS": str(args.budget_tokens)})
     rows = [run_one("cpu_attn", args, {}, [], log_dir),
-            run_one("hisparse", args, {"HISPARSE_VLLM_CPU": "1"} | (
-                {} if args.budget_tokens is None
-                else {"HISPARSE_BUDGET_TOKENS": str(args.budget_tokens)}),
-                    ["--block-size", "16"], log_dir)]
-    d, h = rows
-    summary = {
+            *(run_one(name, args, hisparse_env | extra, ["--block-size", "16"], log_dir)
+              for name, extra in [("hisparse", {})] + [
+                  (n, {"HISPARSE_CONFIG": f}) for n, f in variants])]
+    d = rows[0]
+    summary = {h["backend"]: {
         "capacity_x": h["kv_cache_tokens"] / d["kv_cache_tokens"],
         "output_throughput_x": h["output_throughput"] / d["output_throughput"],
-        "p99_tpot_x": h["p99_tpot_ms"] / d["p99_tpot_ms"],
-    }
+        "p99_tpot_x": h["p99_tpot_ms"] / d["p99_tpot_ms"]} for h in rows[1:]}
     out = {"command": "python -m bridge.bench_side_by_side " + " ".join(
         sys.argv[1:] if argv is None else argv), "rows": rows, "summary": summary,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -44,7 +44,7 @@ import numpy as np
 from hisparse_jax import layout
 from hisparse_jax import state as st
 from hisparse_jax.attention import causal_prefill_attention, decode_step
-from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, default_budget_tokens
+from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, default_budget_tokens, model_preset
 
 log = logging.getLogger("hisparse.bridge")
 
@@ -102,21 +102,17 @@ def config_overrides(env=None) -> dict:
 def make_config(*, num_kv_heads: int, num_heads: int, head_dim: int, page_size: int,
                 max_model_len: int, max_seqs: int, num_blocks: int | None = None,
                 overrides: dict | None = None) -> HiSparseConfig:
-    """The HiSparse config of one layer of a vLLM model (defaults: the `default`
-    preset's tiers; a sink of at least one page; `hisparse serve`'s decode budget
-    for max_model_len, `default_budget_tokens`)."""
+    """The HiSparse config of one layer of a vLLM model: what `hisparse serve` runs for
+    the same shapes (`config.model_preset`: its tiers and selection, the windows in
+    whole blocks) and its decode budget for max_model_len (`default_budget_tokens`)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
-    fields = {"num_kv_heads": num_kv_heads, "gqa_group": num_heads // num_kv_heads,
-              "head_dim": head_dim, "page_size": page_size,
-              "sink_tokens": max(16, page_size), "hot_tokens": max(128, page_size),
-              "warm_tokens": -(-384 // page_size) * page_size,
-              "max_context": -(-max_model_len // page_size) * page_size,
-              "max_seqs": max_seqs, "num_pool_pages": num_blocks,
-              "budget_tokens": default_budget_tokens(max_model_len, page_size)}
-    fields.update(overrides or {})
-    return HiSparseConfig(**fields)
+    fields = {"page_size": page_size, "max_seqs": max_seqs, "num_pool_pages": num_blocks,
+              "budget_tokens": default_budget_tokens(max_model_len, page_size),
+              **(overrides or {})}
+    return model_preset(num_kv_heads=num_kv_heads, gqa_group=num_heads // num_kv_heads,
+                        head_dim=head_dim, max_context=max_model_len, **fields)
 
 
 def bytes_per_token_per_head(cfg: HiSparseConfig) -> float:

@@ -307,7 +307,8 @@ PRESETS: dict[str, HiSparseConfig] = {
     "page64": HiSparseConfig(page_size=64, sink_tokens=64),
     # Smaller hot window and budget for memory pressure (the scheduler's target).
     "tight": HiSparseConfig(hot_tokens=64, budget_tokens=1024),
-    # A real model's decode (models.Engine; shapes and budget are the model's):
+    # A real model's decode (`model_preset`: models.Engine, `hisparse serve`, the vLLM
+    # bridge; shapes and budget are the model's):
     # real keys make the digest's first stage weak, so 2x candidates, plain
     # Quest's set among them and the sharp-head floor at 0.4. SmolLM2 at 1/16:
     # next-token KL 0.028 -> under 0.02, no captured sharp head more than 0.0053
@@ -319,6 +320,26 @@ PRESETS: dict[str, HiSparseConfig] = {
     "model": HiSparseConfig(rerank_multiple=2.0, quest_lead=1.0, quest_floor_mass=0.4,
                             value_group=64, hot_tokens=64),
 }
+
+
+def model_preset(*, num_kv_heads: int, gqa_group: int, head_dim: int, max_context: int,
+                 **fields) -> HiSparseConfig:
+    """The "model" preset for a model's shapes: what models.Engine, `hisparse serve`
+    and the vLLM bridge run. The value group is the longest the head's row allows
+    (the row, or a divisor of its half) up to the preset's; the windows and the
+    context are whole pages of the page size in `fields` (vLLM's block size, say).
+    `fields` win."""
+    base = PRESETS["model"]
+    page = fields.get("page_size", base.page_size)
+    page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
+    pages = lambda n: -(-n // page) * page
+    shaped = {"num_kv_heads": num_kv_heads, "gqa_group": gqa_group, "head_dim": head_dim,
+              "max_context": pages(max_context), "sink_tokens": pages(base.sink_tokens),
+              "hot_tokens": pages(base.hot_tokens), "warm_tokens": pages(base.warm_tokens)}
+    if isinstance(head_dim, int) and head_dim > 0:
+        shaped["value_group"] = max(g for g in range(1, min(base.value_group, head_dim) + 1)
+                                    if value_group_fits(head_dim, g))
+    return base.replace(**{**shaped, **fields})
 
 
 def preset(name: str, **overrides) -> HiSparseConfig:

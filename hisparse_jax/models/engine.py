@@ -55,11 +55,10 @@ from hisparse_jax import state as st
 from hisparse_jax.cache import CacheFullError
 from hisparse_jax.config import (
     HiSparseConfig,
-    preset,
+    model_preset,
     resolve_implementation,
     resolve_prefill,
     resolve_products,
-    value_group_fits,
 )
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import (
@@ -440,20 +439,11 @@ def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graph
 
 def model_cache_config(mc, max_context: int, max_seqs: int, budget_tokens: int,
                        overrides: dict | None = None) -> HiSparseConfig:
-    """The cache config a model's engine runs (and the server's planner sizes): the
-    "model" preset (config.PRESETS says why), the model's shapes, the context in
-    whole pages (of an overridden page size too). The value group is the longest the
-    head's row allows (the row, or a divisor of its half) up to the preset's."""
-    base = preset("model")
-    group = max(g for g in range(1, min(base.value_group, mc.head_dim) + 1)
-                if value_group_fits(mc.head_dim, g))
-    overrides = {"value_group": group, **(overrides or {})}
-    page = overrides.get("page_size", base.page_size)
-    page = page if isinstance(page, int) and page > 0 else 1  # the config says why not
-    return base.replace(
-        num_kv_heads=mc.num_kv_heads, gqa_group=mc.group, head_dim=mc.head_dim,
-        max_context=-(-max_context // page) * page, max_seqs=max_seqs,
-        budget_tokens=budget_tokens, **overrides)
+    """The cache config a model's engine runs (and the server's planner sizes):
+    `config.model_preset` for the model's shapes."""
+    return model_preset(num_kv_heads=mc.num_kv_heads, gqa_group=mc.group,
+                        head_dim=mc.head_dim, max_context=max_context, max_seqs=max_seqs,
+                        budget_tokens=budget_tokens, **(overrides or {}))
 
 
 class Engine:

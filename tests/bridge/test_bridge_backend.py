@@ -208,10 +208,10 @@ def budget_context(vc, monkeypatch):
 
 
 # SmolLM2 (30 layers) at max_model_len 2048 with a 1 GiB budget: a slot's tiers take
-# 268,165 B a layer; 131 slots leave room for one 2K sequence. 128 and 256 are vLLM's
+# 219,013 B a layer; 161 slots leave room for one 2K sequence. 128 and 256 are vLLM's
 # CPU defaults (server, LLM class).
-@pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (128, True), (131, True),
-                                                (132, False), (256, False)])
+@pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (128, True), (161, True),
+                                                (162, False), (256, False)])
 def test_spec_takes_the_slots_out_of_an_explicit_budget(vllm_config, bridge, monkeypatch,
                                                         max_num_seqs, fits):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would set the budget
@@ -223,9 +223,9 @@ def test_spec_takes_the_slots_out_of_an_explicit_budget(vllm_config, bridge, mon
             msg = str(e.value)
             assert "\n" not in msg and msg.startswith(
                 f"HiSparse bridge: --max-num-seqs {max_num_seqs} needs "
-                f"{max_num_seqs * 268_165 * 30:,} B")
+                f"{max_num_seqs * 219_013 * 30:,} B")
             assert "KV budget of 1,073,741,824 B" in msg and "VLLM_CPU_KVCACHE_SPACE" in msg
-            assert msg.endswith("the largest --max-num-seqs that fits is 131")
+            assert msg.endswith("the largest --max-num-seqs that fits is 161")
             return
         spec = vb.HiSparseBackend.customize_spec(SPEC)
     assert bridge.budgeted
@@ -237,17 +237,17 @@ def test_spec_takes_the_slots_out_of_an_explicit_budget(vllm_config, bridge, mon
     assert 30 * layout.state_bytes(cfg).device <= 30 * blocks * spec.page_size_bytes <= GiB
     assert c == rt.budget_content_bytes(cfg, GiB, 30) and c % 2 == 0
     # without a budget (vLLM measures it later): the per-token figure, checked at start
-    assert vb.content_bytes(SPEC, 2048, max_num_seqs) == 108
+    assert vb.content_bytes(SPEC, 2048, max_num_seqs) == 98
 
 
-# vLLM measured its budget after the spec was sized (108 B per token per KV head at
-# max_model_len 2048) and made 2,000 blocks: 8 slots fit beside that pool, 9 do not.
+# vLLM measured its budget after the spec was sized (98 B per token per KV head at
+# max_model_len 2048) and made 2,200 blocks: 8 slots fit beside that pool, 9 do not.
 @pytest.mark.parametrize("max_num_seqs, fits", [(8, True), (9, False), (128, False)])
 def test_builder_refuses_slots_past_the_pool_vllm_sized(bridge, max_num_seqs, fits):
     vc = fake_config()
     vc.scheduler_config.max_num_seqs = max_num_seqs
-    vc.cache_config.num_gpu_blocks = 2000
-    spec = dataclasses.replace(SPEC, state_content_bytes=108)
+    vc.cache_config.num_gpu_blocks = 2200
+    spec = dataclasses.replace(SPEC, state_content_bytes=98)
     layers = [f"l{i}" for i in range(30)]
     if fits:
         vb.HiSparseMetadataBuilder(spec, layers, vc, torch.device("cpu"))

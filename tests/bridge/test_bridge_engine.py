@@ -140,7 +140,7 @@ def test_bridge_logged_once_and_crossed_without_copies(runs):
     lines = [x for x in hs["log"].splitlines() if "HiSparse bridge:" in x and "blocks x" in x]
     assert len(lines) == 1, lines
     assert "budget 480 cold tokens" in lines[0]
-    assert "8 slots' tiers 62.0 MiB (taken out of vLLM's explicit KV budget)" in lines[0]
+    assert "8 slots' tiers 50.7 MiB (taken out of vLLM's explicit KV budget)" in lines[0]
     c = hs["bridge"]
     assert c["layers"] == 30
     assert c["converted"] == len(hs["outputs"]) - 1  # all but the one-token request

@@ -242,25 +242,25 @@ def test_a_finished_request_frees_its_slot_and_staged_kv():
 
 
 # SmolLM2's shapes (3 KV heads of 64, 30 layers) at max_model_len 8192: each slot
-# holds 270,853 B of tiers and page-table row in every layer, whatever the pool.
+# holds 221,701 B of tiers and page-table row in every layer, whatever the pool.
 # content: bytes per (token, KV head) for vLLM's pool (None: refused); most: the
 # largest max_seqs up to this one that the budget takes
 @pytest.mark.parametrize("max_seqs, budget_gib, content, most", [
-    (8, 1, 90, 8),          # the docs' commands: the 90 B the per-token figure gives
-    (8, 2, 88, 8),          # a bigger budget spreads the slots thinner
-    (124, 1, 1378, 124),    # the most slots that leave 1 GiB room for one 8K sequence
-    (125, 1, None, 124),
-    (128, 1, None, 124),    # vLLM's CPU server default, at VLLM_CPU_KVCACHE_SPACE=1
-    (128, 2, 164, 128),
-    (1024, 2, None, 256),   # vLLM's default on a big GPU
-    (1024, 8, 2700, 1024),
+    (8, 1, 86, 8),          # the docs' commands: the 86 B the per-token figure gives
+    (8, 2, 84, 8),          # a bigger budget spreads the slots thinner
+    (152, 1, 1378, 152),    # the most slots that leave 1 GiB room for one 8K sequence
+    (153, 1, None, 152),
+    (128, 1, 388, 128),     # vLLM's CPU server default, at VLLM_CPU_KVCACHE_SPACE=1
+    (128, 2, 134, 128),
+    (1024, 2, None, 313),   # vLLM's default on a big GPU
+    (1024, 8, 388, 1024),
 ])
 def test_slots_are_taken_out_of_an_explicit_budget(max_seqs, budget_gib, content, most):
     from hisparse_jax import layout
     cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
                          max_model_len=8192, max_seqs=max_seqs)
     budget, layers = budget_gib * 2**30, 30
-    assert rt.state_parts(cfg)[0] == 270_853
+    assert rt.state_parts(cfg)[0] == 221_701
     c = rt.budget_content_bytes(cfg, budget, layers)
     assert c == content
     assert rt.max_seqs_within(cfg, lambda x: rt.budget_content_bytes(x, budget, layers)) \
