@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -118,7 +119,7 @@ def main(argv=None):
         "capacity_x": h["kv_cache_tokens"] / d["kv_cache_tokens"],
         "output_throughput_x": h["output_throughput"] / d["output_throughput"],
         "p99_tpot_x": h["p99_tpot_ms"] / d["p99_tpot_ms"]} for h in rows[1:]}
-    out = {"command": "python -m bridge.bench_side_by_side " + " ".join(
+    out = {"command": "python -m bridge.bench_side_by_side " + shlex.join(
         sys.argv[1:] if argv is None else argv), "rows": rows, "summary": summary,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with open(args.out, "w") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import zipfile
 
 import numpy as np
@@ -303,6 +304,33 @@ def test_smollm2_tokenizer_and_streaming():
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
     assert "" in pieces[:-1]  # some token ended mid-character and was held back
+
+
+def test_token_bytes_add_up_to_the_text():
+    """Each token's bytes (a byte-level token can be part of a character), joined,
+    are the text's UTF-8, for random ids too; special tokens are their own text;
+    no token is longer than max_token_bytes (the server's no-tokenizing bound)."""
+    _, tok = smollm2()
+    text = "Café 你好 🍕🚀 👍🏽 done<|im_end|>"
+    ids = tok.encode(text)
+    parts = [tok.token_bytes(i) for i in ids]
+    assert b"".join(parts) == text.encode() and parts[-1] == b"<|im_end|>"
+    assert any(not _is_utf8(p) for p in parts)  # some token is part of a character
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(16)]
+        joined = b"".join(tok.token_bytes(i) for i in ids)
+        assert joined.decode("utf-8", "replace") == tok.decode(ids, skip_special=False)
+    assert tok.max_token_bytes == max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+    assert tok.max_token_bytes == 81  # a newline and 80 spaces
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def test_stream_flush_of_partial_character():

@@ -36,7 +36,7 @@ START_S = 600  # model load and the first compiles, on a loaded 2-core machine
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = ["--max-seqs", "4", "--max-context", str(CONTEXT), "--max-waiting", "12",
-            "--api-key", KEY, "--price-per-hour", "2.0",
+            "--api-key", KEY, "--price-per-hour", "2.0", "--shutdown-timeout", "5",
             "--record-traffic", str(log.with_name("traffic.jsonl"))]
     with running_server(args, log, START_S) as (url, proc):
         yield {"url": url, "proc": proc, "log": log}
@@ -167,11 +167,13 @@ def test_seeds_reproduce(client):
     ({"prompt": FRANCE, "max_tokens": -3}, 400, "max_tokens"),
     ({"prompt": FRANCE, "max_tokens": CONTEXT}, 400, "max_tokens"),
     ({"prompt": [5] * CONTEXT}, 400, "prompt"),  # no room for a token, whatever max_tokens
-    ({"prompt": "abc\ud800"}, 400, "prompt"),  # valid JSON, no text a tokenizer takes
+    ({"prompt": "abc\ud800"}, 400, "prompt"),  # valid JSON, not valid Unicode
     ({"prompt": FRANCE, "n": 0}, 400, "n"),
     ({"prompt": FRANCE, "n": 17}, 400, "n"),
     ({"prompt": [99999999]}, 400, "prompt"),
-    ({"prompt": FRANCE, "seed": -1}, 400, "seed"),
+    ({"prompt": FRANCE, "seed": 2**64}, 400, "seed"),  # OpenAI's seed: a 64-bit int
+    ({"prompt": FRANCE, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": FRANCE, "top_k": -2}, 400, "top_k"),
     ({"prompt": FRANCE, "model": "gpt-4"}, 404, "model"),
     ({"prompt": FRANCE, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": FRANCE, "frequency_penalty": "1"}, 400, "frequency_penalty"),
@@ -278,8 +280,19 @@ def test_api_key_and_chat_errors(server):
     assert httpx.get(server["url"] + "/v1/models").status_code == 401
     r = _post(server, "/v1/chat/completions", {"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user"}], "n": 17})
+    hi = {"role": "user", "content": "Hi"}
+    r = _post(server, "/v1/chat/completions", {"messages": [hi], "n": 17})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    for bad, param in (([{"role": "user"}], "messages"),  # no content (an assistant's may be)
+                       ([{"role": "user", "content": None}], "messages"),
+                       ([{"role": "user", "content": "\ud800"}], "messages")):
+        r = _post(server, "/v1/chat/completions", {"messages": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(server, "/v1/chat/completions", {"messages": [hi], "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = _post(server, "/v1/chat/completions",
+              {"messages": [hi, {"role": "assistant", "content": None}, hi], "max_tokens": 2})
+    assert r.status_code == 200, r.text
     # Starlette's own errors in OpenAI's shape too
     for r, status in ((_post(server, "/v1/nope", {}), 404),
                       (httpx.get(server["url"] + "/v1/completions",
@@ -354,6 +367,86 @@ def test_streamed_logprobs_count_text_offsets_from_the_start(server):
     offsets = [o for e in events if e.get("choices") and e["choices"][0]["logprobs"]
                for o in e["choices"][0]["logprobs"]["text_offset"]]
     assert offsets == whole["text_offset"] and len(set(offsets)) > 1
+
+
+def test_logprobs_name_each_token_once_and_hold_the_sampled_one(server, tok):
+    """A byte-level token that is part of a character has no text of its own: it is
+    named "bytes:\\xNN..." (OpenAI's form), so no two of a position's top_logprobs
+    share a name (every such token decoded to U+FFFD, one dict key, so entries went
+    missing). The sampled token is always among them (logprobs + 1 entries at most,
+    as OpenAI's and vLLM's), with the model's own logprob; chat's `bytes` add up to
+    the answer."""
+    party = tok.encode("🎉")[0]  # the emoji's first token: 2 of its 4 bytes
+    assert tok.token_bytes(party) == "🎉".encode()[:2]
+    body = {"prompt": FRANCE, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+            "logit_bias": {str(party): 100}}
+    lp = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["bytes:\\xf0\\x9f"] * 3
+    for name, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 3 and top[name] == logprob < max(top.values())  # forced, unlikely
+    body = {"prompt": "Emoji party: 🎉🎉 日本の首都は", "max_tokens": 12, "temperature": 1.0,
+            "seed": 4, "logprobs": 20, "ignore_eos": True}
+    lp = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert all(len(top) in (20, 21) and top[name] == logprob for name, logprob, top in
+               zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    zero = _post(server, "/v1/completions", {**body, "logprobs": 0}).json()
+    lp = zero["choices"][0]["logprobs"]  # the sampled token alone
+    assert [list(top) for top in lp["top_logprobs"]] == [[n] for n in lp["tokens"]]
+    chat = {"messages": [{"role": "user", "content": "Write three emoji and 日本."}],
+            "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    c = _post(server, "/v1/chat/completions", chat).json()["choices"][0]
+    content = c["logprobs"]["content"]
+    answer = bytes(b for e in content for b in e["bytes"])
+    assert answer.decode("utf-8", "replace") == c["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 3 and all(t["bytes"] for t in e["top_logprobs"])
+               for e in content)
+
+
+def test_null_is_the_default_and_other_spellings(server):
+    """null is a field left out (completions' max_tokens: 16, not the context's
+    room); vLLM's top_k -1 is no top-k; OpenAI's top_p 0 keeps the likeliest
+    token; any 64-bit seed reproduces; the Bearer scheme in any case; one model's
+    card at /v1/models/ID."""
+    def complete(**kw):
+        r = _post(server, "/v1/completions", {"prompt": "Once upon a time", **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+    assert complete(max_tokens=None, n=None, stream=None, echo=None, ignore_eos=True,
+                    temperature=None, top_p=None, logprobs=None, stop=None)[1] == 16
+    events = _sse(server, {"prompt": FRANCE, "max_tokens": 2, "stream": True,
+                           "stream_options": {"include_usage": None}}, key=KEY)
+    assert events[-1] == {"done": True} and all("usage" not in e for e in events[:-1])
+    sampled = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    assert complete(**sampled, seed=3, top_k=-1) == complete(**sampled, seed=3)
+    assert complete(**sampled, seed=3, top_p=0) == complete(max_tokens=8, temperature=0,
+                                                            ignore_eos=True)
+    assert complete(**sampled, seed=-5) == complete(**sampled, seed=-5) != \
+        complete(**sampled, seed=-6)
+    headers = {"authorization": f"bearer {KEY}"}
+    assert httpx.get(server["url"] + "/v1/models", headers=headers).status_code == 200
+    card = httpx.get(server["url"] + f"/v1/models/{MODEL}", headers=headers).json()
+    assert card["id"] == MODEL and card["max_model_len"] == CONTEXT
+    r = httpx.get(server["url"] + "/v1/models/gpt-4", headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_big_bodies_are_refused_before_they_stall_the_server(server):
+    """A body over --max-request-bytes (here the default, 4 MiB) gets a 413 whether
+    it declares its length or not; a text too long for the context by its bytes
+    alone (a token is at most 81 bytes here) gets its 400 without being tokenized
+    (a 20 MB prompt took 13 s to refuse, and stalled every stream meanwhile)."""
+    big = json.dumps({"prompt": "a" * (5 << 20)}).encode()
+    for content in (big, iter([big[i:i + 65536] for i in range(0, len(big), 65536)])):
+        r = httpx.post(server["url"] + "/v1/completions", content=content, timeout=120,
+                       headers={"Authorization": f"Bearer {KEY}",
+                                "Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = _post(server, "/v1/completions", {"prompt": "a" * 3_000_000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert f"your prompt has at least {-(-3_000_000 // 81)} tokens" in err["message"]
+    assert _post(server, "/v1/completions", {"prompt": FRANCE, "max_tokens": 1}).status_code \
+        == 200
 
 
 def test_prewarm_skips_the_documents_prefill(server, tok):
@@ -838,15 +931,44 @@ def test_fault_injection_is_off_by_default(server):
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(server):
+    """SIGTERM: the server stops admitting; a stream that ends within
+    --shutdown-timeout (5 s here) runs to its end, a longer one is ended at the
+    deadline with finish_reason "abort" (it used to be cut mid-body by uvicorn);
+    both close with [DONE], and the process exits 0."""
     proc = server["proc"]
-    body = {"prompt": FRANCE, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-        lines = r.iter_lines()
-        next(lines)
-        os.kill(proc.pid, signal.SIGTERM)
-        rest = list(lines)
-    assert "data: [DONE]" in rest  # the running stream was finished, not cut
+    first = threading.Barrier(3, timeout=300)
+    got: dict[str, list | BaseException] = {}
+
+    def read(name, max_tokens):
+        body = {"prompt": FRANCE, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", server["url"] + "/v1/completions", json=body,
+                              timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as r:
+                lines = r.iter_lines()
+                head = next(lines)
+                first.wait()
+                got[name] = [head, *lines]
+        except BaseException as e:  # noqa: BLE001 (the test asserts on it)
+            got[name] = e
+            first.abort()
+
+    threads = [threading.Thread(target=read, args=("short", 12)),
+               threading.Thread(target=read, args=("long", CONTEXT - 64))]
+    for t in threads:
+        t.start()
+    first.wait()
+    os.kill(proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=120)
+    for name, reason in (("short", "length"), ("long", "abort")):
+        lines = got[name]
+        assert isinstance(lines, list), lines
+        data = [x[len("data: "):] for x in lines if x.startswith("data: ")]
+        assert data[-1] == "[DONE]", (name, data[-3:])
+        reasons = [c["finish_reason"] for c in map(json.loads, data[:-1])
+                   for c in c["choices"] if c["finish_reason"]]
+        assert reasons == [reason], (name, reasons)
     assert proc.wait(timeout=60) == 0
-    assert "stopped" in server["log"].read_text()
+    log = server["log"].read_text()
+    assert "stopped" in log and "CancelledError" not in log and "exceeded" not in log

@@ -13,8 +13,10 @@ chat_template.jinja."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -62,6 +64,9 @@ def _pre_tokenizer(pre: str | None, where: str):
                      f"{supported})")
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class Tokenizer:
     """ids <-> text. `encode` parses special tokens in the text (as llama.cpp's
     tokenize(special=True)) and adds BOS only if the model asks for it."""
@@ -93,6 +98,43 @@ class Tokenizer:
 
     def decode(self, ids, *, skip_special: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for: a byte-level token can be part of a UTF-8
+        character, which its decoded text (U+FFFD) does not show."""
+        piece = self.hf.id_to_token(int(i))
+        if piece is None:
+            return b""
+        if int(i) in self._added:  # special and added tokens are literal text
+            return piece.encode()
+        alphabet = self._byte_alphabet
+        if alphabet is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        if m := _BYTE_PIECE.fullmatch(piece):  # SentencePiece's byte fallback
+            return bytes([int(m[1], 16)])
+        return self.decode([i], skip_special=False).encode()
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for: a text of B UTF-8 bytes has at least
+        B / max_token_bytes tokens, a bound that needs no tokenizing."""
+        return max(1, *(len(self.token_bytes(i)) for i in range(self.vocab_size)))
+
+    @functools.cached_property
+    def _added(self) -> frozenset[int]:
+        return frozenset(self.hf.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_alphabet(self) -> dict[str, int] | None:
+        """GPT-2's printable stand-ins for the 256 bytes, back to bytes, when the
+        decoder is byte-level."""
+        if not isinstance(self.hf.decoder, decoders.ByteLevel):
+            return None
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                     *range(ord("\u00ae"), ord("\u00ff") + 1)]
+        rest = [b for b in range(256) if b not in printable]
+        return {**{chr(b): b for b in printable},
+                **{chr(256 + n): b for n, b in enumerate(rest)}}
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The chat template rendered as transformers does (sandboxed jinja2,

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -29,7 +30,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,6 +51,10 @@ from hisparse_jax.validate import check_int, check_number
 
 log = logging.getLogger("hisparse.serve")
 DISCONNECT_CHECK_S = 1.0  # how often a waiting handler asks whether its client is gone
+# The default request body limit: bytes per token of the longest context served (a
+# prompt of that many tokens, JSON-escaped, with room to spare), at least MIN_BODY.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +72,7 @@ class ServeConfig:
     prefill_budget: int = PREFILL_CHUNK  # prompt tokens per engine step
     tpot_slo_ms: float | None = None     # defer prompt blocks that would break it
     shutdown_timeout: float = 30.0       # SIGTERM: seconds to finish running requests
+    max_request_bytes: int | None = None  # a longer body gets a 413 (None: from the context)
     record_traffic: str | None = None    # append each accepted request to this .jsonl
     kv_cache_memory: int | None = None   # bytes: slots from the capacity planner
     kv_pool_pages: int | None = None     # cold pool pages per layer (None: every slot's context)
@@ -90,6 +96,8 @@ class ServeConfig:
         if self.tpot_slo_ms is not None:
             check_number("tpot_slo_ms", self.tpot_slo_ms, 0.0, above=True)
         check_number("shutdown_timeout", self.shutdown_timeout, 0.0)
+        if self.max_request_bytes is not None:
+            check_int("max_request_bytes", self.max_request_bytes, minimum=1024)
         if self.price_per_hour is not None:
             check_number("price_per_hour", self.price_per_hour, 0.0)
         if self.kv_cache_memory is not None:
@@ -141,6 +149,16 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
 class _Schema(BaseModel):
     # Strict: "5" is not a number and 1 is not a bool (OpenAI's server refuses them too).
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, body):
+        """OpenAI's schemas take null for every optional field: as if it were left out
+        (so completions' `"max_tokens": null` is 16, its default)."""
+        if not isinstance(body, dict):
+            return body
+        return {k: v for k, v in body.items()
+                if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
 
 
 class StreamOptions(_Schema):
@@ -288,6 +306,21 @@ class Served:
     def header(self) -> str:
         return lineage_header({"model": self.name, **self.lineage})
 
+    def token_bytes(self, i: int) -> list[int] | None:
+        """Logprobs' `bytes` of token i (None without a tokenizer)."""
+        return None if self.tokenizer is None else list(self.tokenizer.token_bytes(i))
+
+    def token_name(self, i: int) -> str:
+        """Token i in logprobs: its text, or "bytes:\\xNN..." (OpenAI's form) for a
+        part of a character, whose text would be U+FFFD for every such token."""
+        if self.tokenizer is None:
+            return str(i)
+        b = self.tokenizer.token_bytes(i)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
 
 @dataclasses.dataclass
 class State:
@@ -303,6 +336,13 @@ class State:
     def stop_admitting(self):
         for m in self.models.values():
             m.scheduler.admitting = False
+
+    def drain(self):
+        """Let each model's running requests finish until the shutdown deadline, then
+        end the rest (finish_reason "abort"), and stop the engine threads."""
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
+        for m in self.models.values():
+            m.scheduler.stop(max(0.0, deadline - time.monotonic()))
 
     def record(self, row: dict):
         """--record-traffic: one line per accepted request, in `bench serve --dataset
@@ -336,6 +376,8 @@ class LineageHeader:
 
 def build_app(st: State) -> FastAPI:
     header = ", ".join(m.header for m in st.models.values())  # routes not about one model
+    body_limit = st.cfg.max_request_bytes or max(
+        MIN_BODY, BODY_BYTES_PER_TOKEN * max(m.engine.max_context for m in st.models.values()))
 
     async def lifespan(app):
         for m in st.models.values():
@@ -374,22 +416,47 @@ def build_app(st: State) -> FastAPI:
 
     def auth(request: HTTPRequest):
         key = st.cfg.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer"  # the scheme is case-insensitive (RFC 7235)
+                and hmac.compare_digest(given.strip().encode(), key.encode())):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                            type="authentication_error", code="invalid_api_key")
 
-    async def parse(request: HTTPRequest, schema):
-        auth(request)
+    async def read_body(request: HTTPRequest) -> bytes:
+        """The body, refused with a 413 once it passes the limit (before it is all read)."""
+        too_long = APIError(413, f"the request body is over this server's limit of "
+                            f"{body_limit:,} bytes (--max-request-bytes)",
+                            code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > body_limit:
+            raise too_long
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > body_limit:
+                raise too_long
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def validate(raw: bytes, schema):
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         try:
-            req = schema.model_validate(body)
+            return schema.model_validate(body)
         except ValidationError as e:
             raise _validation_error(e) from None
+
+    async def parse(request: HTTPRequest, schema):
+        auth(request)
+        # A big body's parsing (and below, its tokenizing) runs off the event loop, so
+        # that it never holds up the other requests' streams.
+        req = await asyncio.to_thread(validate, await read_body(request), schema)
         return req, served(req.model)
 
     def served(name: str | None) -> Served:
@@ -413,14 +480,20 @@ def build_app(st: State) -> FastAPI:
             st.metrics.update_cost(m.metrics, m.scheduler.generated, m.scheduler.busy_s)
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(m: Served) -> dict:
+        return {"id": m.name, "object": "model", "created": st.created, "owned_by": "hisparse",
+                "root": m.source, "max_model_len": m.engine.max_context,
+                "attention": m.engine.attention, "lineage": m.lineage}
+
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
         auth(request)
-        return {"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": st.created, "owned_by": "hisparse",
-            "root": m.source, "max_model_len": m.engine.max_context,
-            "attention": m.engine.attention, "lineage": m.lineage}
-            for m in st.models.values()]}
+        return {"object": "list", "data": [model_card(m) for m in st.models.values()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: HTTPRequest):
+        auth(request)
+        return model_card(served(model_id))
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
@@ -433,7 +506,7 @@ def build_app(st: State) -> FastAPI:
             prompt = prompt[0]
         if r.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        ids = prompt_ids(ms, prompt)
+        ids = await asyncio.to_thread(prompt_ids, ms, prompt)
         if r.logprobs is not None and not 0 <= r.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
         reqs = make_requests(ms, r, ids, r.max_tokens, r.logprobs)
@@ -447,7 +520,7 @@ def build_app(st: State) -> FastAPI:
         r, ms = await parse(request, PrewarmRequest)
         if not r.context_id:
             raise APIError(400, "context_id must not be empty", param="context_id")
-        ids = prompt_ids(ms, r.prompt)
+        ids = await asyncio.to_thread(prompt_ids, ms, r.prompt)
         if not PREFILL_CHUNK < len(ids) < ms.engine.max_context:
             raise APIError(400, f"a prewarmed context needs {PREFILL_CHUNK + 1} to "
                            f"{ms.engine.max_context - 1} tokens, got {len(ids)}",
@@ -493,12 +566,15 @@ def build_app(st: State) -> FastAPI:
             raise APIError(400, "this model has no chat template", param="messages")
         if not r.messages:
             raise APIError(400, "messages must not be empty", param="messages")
+        for k, m in enumerate(r.messages):
+            if m.content is None and m.role != "assistant":  # (an assistant's may be empty)
+                raise APIError(400, f"messages[{k}]: a {m.role!r} message needs content",
+                               param="messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(p.text for p in m.content or ())} for m in r.messages]
-        try:
-            ids = ms.tokenizer.chat_ids(messages)
-        except Exception as e:  # noqa: BLE001 (the template's own error, as a 400)
-            raise APIError(400, f"the chat template failed: {e}", param="messages") from None
+        ids = await asyncio.to_thread(chat_ids, ms, messages)
+        if r.top_logprobs is not None and not r.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = None
         if r.logprobs:
             top = r.top_logprobs or 0
@@ -518,21 +594,48 @@ def build_app(st: State) -> FastAPI:
         return {**r.model_dump(exclude_none=True, exclude_defaults=True, exclude=UNRECORDED),
                 "model": ms.name, **prompt, "max_tokens": reqs[0].max_tokens}
 
+    def too_long(ms: Served, n: int, param: str, at_least: bool = False) -> APIError:
+        limit = ms.engine.max_context
+        return APIError(400, f"This model's maximum context length is {limit} tokens. "
+                        f"However, your prompt has {'at least ' if at_least else ''}{n} "
+                        f"tokens, which leaves no room for a completion.", param=param,
+                        code="context_length_exceeded")
+
+    def text_ids(ms: Served, text: str, param: str, add_bos: bool | None = None) -> list[int]:
+        """`text` through the model's tokenizer. A text too long for the context by
+        its bytes alone is refused without tokenizing it (a token is at most
+        `max_token_bytes` bytes)."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{param}: not valid Unicode ({e.reason} at character "
+                           f"{e.start})", param=param) from None
+        least = -(-size // ms.tokenizer.max_token_bytes)
+        if least >= ms.engine.max_context:
+            raise too_long(ms, least, param, at_least=True)
+        return ms.tokenizer.encode(text, add_bos=add_bos)
+
     def prompt_ids(ms: Served, prompt: str | list[int]) -> list[int]:
         """Text through the model's tokenizer, or token ids checked against its vocabulary."""
         if isinstance(prompt, str):
             if ms.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids",
                                param="prompt")
-            try:
-                return ms.tokenizer.encode(prompt)
-            except Exception as e:  # noqa: BLE001 (e.g. a lone surrogate: the client's text)
-                raise APIError(400, f"the prompt cannot be tokenized: {e}",
-                               param="prompt") from None
+            return text_ids(ms, prompt, "prompt")
+        if len(prompt) >= ms.engine.max_context:
+            raise too_long(ms, len(prompt), "prompt")
         vocab = ms.engine.model.cfg.vocab_size
         if any(not 0 <= i < vocab for i in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
+
+    def chat_ids(ms: Served, messages: list[dict]) -> list[int]:
+        """The chat template's prompt ids (the template writes any BOS itself)."""
+        try:
+            text = ms.tokenizer.render_chat(messages)
+        except Exception as e:  # noqa: BLE001 (the template's own error, as a 400)
+            raise APIError(400, f"the chat template failed: {e}", param="messages") from None
+        return text_ids(ms, text, "messages", add_bos=False)
 
     def make_requests(ms: Served, r: _Common, ids: list[int], max_tokens: int | None,
                       logprobs) -> list[Request]:
@@ -555,10 +658,7 @@ def build_app(st: State) -> FastAPI:
             ids = list(pinned.ids) + ids
         limit = ms.engine.max_context
         if len(ids) >= limit:  # no room for one generated token, whatever max_tokens says
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                           f"However, your prompt has {len(ids)} tokens, which leaves no "
-                           f"room for a completion.", param="prompt",
-                           code="context_length_exceeded")
+            raise too_long(ms, len(ids), "prompt")
         if max_tokens is None:
             max_tokens = limit - len(ids)
         if max_tokens < 1:
@@ -569,10 +669,19 @@ def build_app(st: State) -> FastAPI:
                            f"However, you requested {len(ids) + max_tokens} tokens "
                            f"({len(ids)} in the prompt, {max_tokens} for the completion).",
                            param="max_tokens", code="context_length_exceeded")
+        if r.stream_options is not None and not r.stream:
+            raise APIError(400, "stream_options: only with stream: true",
+                           param="stream_options")
         temperature = 1.0 if r.temperature is None else r.temperature
         seed = r.seed if r.seed is not None else random.getrandbits(32)
-        if not (0 <= seed < 2**32):
-            raise APIError(400, f"seed={seed}: must be in [0, 2**32)", param="seed")
+        if not (-2**63 <= seed < 2**64):  # OpenAI's: a 64-bit int; the engine's: 32 bits
+            raise APIError(400, f"seed={seed}: must be a 64-bit integer", param="seed")
+        seed %= 2**32
+        # vLLM's top_k -1 is "no top-k" (as 0); OpenAI's top_p 0 keeps the likeliest token
+        top_k = 0 if r.top_k == -1 else r.top_k or 0
+        top_p = 1.0 if r.top_p is None else float(r.top_p)
+        if r.top_p == 0:
+            top_k, top_p = 1, 1.0
         bias = {}
         for key, value in (r.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit() and int(key) < ms.engine.model.cfg.vocab_size):
@@ -581,8 +690,7 @@ def build_app(st: State) -> FastAPI:
             bias[int(key)] = value
         try:
             sampling = SamplingParams(
-                temperature=float(temperature), top_k=r.top_k or 0,
-                top_p=1.0 if r.top_p is None else float(r.top_p), seed=seed,
+                temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed,
                 presence_penalty=float(r.presence_penalty or 0),
                 frequency_penalty=float(r.frequency_penalty or 0), logit_bias=bias)
         except ValueError as e:
@@ -744,20 +852,28 @@ def build_app(st: State) -> FastAPI:
                         ms.scheduler.cancel(req)
 
     def _logprobs(ms: Served, tokens: list[Token], offset: int = 0) -> dict:
-        """Completions' logprobs of `tokens`, whose text starts at `offset` of the choice's."""
+        """Completions' logprobs of `tokens`, whose text starts at `offset` of the
+        choice's. Each position's top_logprobs holds the sampled token too (so up to
+        logprobs + 1 entries, as OpenAI's and vLLM's)."""
         toks = [t for t in tokens if t.id is not None]
-        dec = ms.tokenizer.decode if ms.tokenizer is not None else str
-        return {"tokens": [dec([t.id]) for t in toks],
+        name = ms.token_name
+
+        def top(t: Token) -> dict:
+            d: dict[str, float] = {}
+            for i, lp in (*t.top, (t.id, t.logprob)):  # likeliest first
+                d.setdefault(name(i), lp)
+            return d
+        return {"tokens": [name(t.id) for t in toks],
                 "token_logprobs": [t.logprob for t in toks],
-                "top_logprobs": [{dec([i]): lp for i, lp in t.top} for t in toks],
+                "top_logprobs": [top(t) for t in toks],
                 "text_offset": list(itertools.accumulate((len(t.text) for t in toks[:-1]),
                                                          initial=offset))[:len(toks)]}
 
     def _chat_logprobs(ms: Served, tokens: list[Token]) -> dict:
-        dec = ms.tokenizer.decode if ms.tokenizer is not None else str
-        return {"content": [{"token": dec([t.id]), "logprob": t.logprob, "bytes": None,
-                             "top_logprobs": [{"token": dec([i]), "logprob": lp, "bytes": None}
-                                              for i, lp in t.top]}
+        def entry(i: int, lp: float) -> dict:
+            return {"token": ms.token_name(i), "logprob": lp, "bytes": ms.token_bytes(i)}
+        return {"content": [{**entry(t.id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in tokens if t.id is not None]}
 
     return app

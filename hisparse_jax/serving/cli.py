@@ -5,8 +5,10 @@ it to the `hisparse` parser's subparsers; `add_bench_serve_parser(bsub)` adds
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import sys
+import threading
 
 from hisparse_jax.cli.args import (
     budget_tokens,
@@ -22,6 +24,7 @@ log = logging.getLogger("hisparse.serve")
 # their streams decode together (the scheduler's gangs): each holds a bf16 K/V stage
 # of max_context tokens (94 MiB for SmolLM2 at 8K) until its last block runs.
 GANG_STAGES = 2
+SHUTDOWN_GRACE_S = 10  # after --shutdown-timeout: for the ended streams' last chunks
 
 
 def build_state(cfg):
@@ -131,7 +134,8 @@ def plan_slots(mc, context: int, cfg, budget: int) -> tuple[int, str]:
 def serve(cfg):
     """Run the server until SIGTERM or SIGINT: then it stops admitting (the socket
     closes), lets running requests finish for up to cfg.shutdown_timeout seconds,
-    cancels the rest and returns (exit code 0)."""
+    ends the rest (their streams get finish_reason "abort" and [DONE]) and returns
+    (exit code 0)."""
     import uvicorn
 
     from hisparse_jax.serving.app import build_app
@@ -149,11 +153,17 @@ def serve(cfg):
             # 143): a graceful stop is a normal exit here.
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
+            if not self.should_exit:  # the engines end what still runs at the deadline,
+                # so that its streams close properly before uvicorn's own deadline
+                st.stop_admitting()  # /health answers 503 from now on
+                threading.Thread(target=st.drain, name="hisparse-drain", daemon=True).start()
             self.should_exit = True
-            st.stop_admitting()  # /health answers 503 from now on
 
+    # uvicorn's deadline, a backstop: by then the streams have ended (SHUTDOWN_GRACE_S
+    # for their last chunks to go out)
     config = uvicorn.Config(build_app(st), host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=max(1, int(cfg.shutdown_timeout)),
+                            timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout
+                                                                + SHUTDOWN_GRACE_S),
                             access_log=False)
     Server(config).run()
     log.info("stopped")
@@ -167,6 +177,8 @@ def main_serve(args):
                       price_per_hour=args.price_per_hour, max_waiting=args.max_waiting,
                       prefill_budget=args.prefill_budget, tpot_slo_ms=args.tpot_slo_ms,
                       record_traffic=args.record_traffic,
+                      max_request_bytes=args.max_request_bytes,
+                      shutdown_timeout=args.shutdown_timeout,
                       kv_cache_memory=args.kv_cache_memory,
                       kv_pool_pages=args.kv_pool_pages, fault_injection=args.fault_injection,
                       offload=args.offload, offload_policy=args.offload_policy,
@@ -233,6 +245,12 @@ def add_serving_parsers(subparsers):
                         "waiting prompts pay in time to first token; and up to "
                         f"{GANG_STAGES} prompts start decoding together where their "
                         "step fits it (default: none, one block per step)")
+    s.add_argument("--max-request-bytes", type=_size, default=None, metavar="BYTES",
+                   help="a longer request body gets a 413 (default: 64 bytes per token of "
+                        "the longest --max-context, at least 4MiB)")
+    s.add_argument("--shutdown-timeout", type=number(0.0), default=30.0, metavar="S",
+                   help="on SIGTERM: seconds the running requests have to finish before "
+                        "they are ended (finish_reason 'abort')")
     s.add_argument("--record-traffic", default=None, metavar="FILE.jsonl",
                    help="append every accepted request (with its arrival time) to FILE, "
                         "for `hisparse bench serve --dataset replay`")
