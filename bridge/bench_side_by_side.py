@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from bridge import runtime as rt
 from bridge.serve import VllmServer
 
 CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -97,14 +98,15 @@ def main(argv=None):
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
     variants = []
-    for v in args.variant:
+    for v in args.variant:  # checked before any server starts
         name, sep, fields = v.partition("=")
-        if not (sep and name) or name in ("cpu_attn", "hisparse"):
-            p.error(f"--variant {v!r}: NAME=JSON, NAME not cpu_attn or hisparse")
+        if not (sep and re.fullmatch(r"[\w.-]+", name)) or name in (
+                "cpu_attn", "hisparse", *(n for n, _ in variants)):
+            p.error(f"--variant {v!r}: NAME=JSON, NAME a new word (not cpu_attn or hisparse)")
         try:
-            json.loads(fields)
-        except ValueError:
-            p.error(f"--variant {v!r}: {fields!r} is not JSON")
+            rt.config_overrides({"HISPARSE_CONFIG": fields})
+        except ValueError as e:
+            p.error(f"--variant {v!r}: {e}")
         variants.append((name, fields))
     log_dir = args.log_dir or os.path.join(os.path.dirname(args.out) or ".", "logs")
     os.makedirs(log_dir, exist_ok=True)

@@ -325,6 +325,28 @@ def test_token_bytes_add_up_to_the_text():
     assert tok.max_token_bytes == 81  # a newline and 80 spaces
 
 
+def test_min_tokens_is_a_lower_bound_only_where_exact():
+    """The server refuses a text by its bytes alone when min_tokens says it cannot
+    fit: never more than the tokens it really has, runs of the longest token (a
+    newline and 80 spaces) included; no bound (0) for a vocabulary whose tokens
+    may consume more text than their bytes (a normalizer, here NFC)."""
+    import tokenizers
+    from tokenizers import normalizers
+
+    from hisparse_jax.models.tokenizer import Tokenizer
+    _, tok = smollm2()
+    rng = random.Random(1)
+    texts = [("\n" + " " * 80) * 50, "x" * 999, "🎉" * 300, "".join(
+        rng.choice(["\n", " ", "  ", "the", "日本", "🎉", "a1", "\t"]) for _ in range(3000))]
+    for text in texts:
+        n = len(tok.encode(text))
+        assert 0 < tok.min_tokens(len(text.encode())) <= n, text[:20]
+    assert tok.min_tokens(len(texts[0].encode())) == len(tok.encode(texts[0])) == 50
+    hf = tokenizers.Tokenizer.from_str(tok.hf.to_str())
+    hf.normalizer = normalizers.NFC()
+    assert Tokenizer(hf).min_tokens(10**6) == 0
+
+
 def _is_utf8(b: bytes) -> bool:
     try:
         b.decode("utf-8")

@@ -100,6 +100,20 @@ def test_offload_needs_hisparse():
         ServeConfig(implementation="triton")
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"api_key": ""}, "api_key must be printable ASCII"),
+    ({"api_key": "sk key"}, "api_key must be printable ASCII"),
+    ({"api_key": "sk-clé"}, "api_key must be printable ASCII"),  # headers arrive as latin-1
+    ({"shutdown_timeout": 1e10}, "must be under a day"),  # threading's waits overflow
+    ({"shutdown_timeout": -1}, "shutdown_timeout must be >= 0"),
+    ({"max_request_bytes": 100}, "max_request_bytes must be an int >= 1024"),
+])
+def test_serve_config_refuses(fields, message):
+    from hisparse_jax.serving.app import ServeConfig
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(**fields)
+
+
 def test_offload_series_only_for_an_offloaded_model():
     from prometheus_client import generate_latest
 

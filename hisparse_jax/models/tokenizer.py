@@ -91,7 +91,9 @@ class Tokenizer:
         return self.hf.get_vocab_size()
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL (encode does not): a long text tokenized in
+        # a server's worker thread does not stop its event loop
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
@@ -112,13 +114,22 @@ class Tokenizer:
             return bytes(alphabet[c] for c in piece)
         if m := _BYTE_PIECE.fullmatch(piece):  # SentencePiece's byte fallback
             return bytes([int(m[1], 16)])
-        return self.decode([i], skip_special=False).encode()
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
-        """The most bytes one token stands for: a text of B UTF-8 bytes has at least
-        B / max_token_bytes tokens, a bound that needs no tokenizing."""
+        """The most bytes one token stands for."""
         return max(1, *(len(self.token_bytes(i)) for i in range(self.vocab_size)))
+
+    def min_tokens(self, text_bytes: int) -> int:
+        """A lower bound of the tokens of any text of `text_bytes` UTF-8 bytes, found
+        without tokenizing it: text_bytes / max_token_bytes where each token is the
+        bytes of the text it consumed (a byte-level vocabulary, no normalizer, no
+        added token that strips the spaces beside it); else 0, no bound."""
+        exact = (self._byte_alphabet is not None and self.hf.normalizer is None
+                 and not any(t.lstrip or t.rstrip
+                             for t in self.hf.get_added_tokens_decoder().values()))
+        return -(-text_bytes // self.max_token_bytes) if exact else 0
 
     @functools.cached_property
     def _added(self) -> frozenset[int]:

@@ -51,9 +51,11 @@ from hisparse_jax.validate import check_int, check_number
 
 log = logging.getLogger("hisparse.serve")
 DISCONNECT_CHECK_S = 1.0  # how often a waiting handler asks whether its client is gone
-# The default request body limit: bytes per token of the longest context served (a
-# prompt of that many tokens, JSON-escaped, with room to spare), at least MIN_BODY.
-BODY_BYTES_PER_TOKEN = 64
+# The default request body limit: room for the longest prompt a served context holds
+# (its longest tokens, or ids, JSON-escaped: JSON_GROWTH bytes a byte at most, as
+# \ud83c\udf89 for a 4-byte emoji) and MIN_BODY for the rest of the request.
+JSON_GROWTH = 3
+ID_BYTES = 8  # a token id in a JSON list: up to 7 digits and a comma
 MIN_BODY = 4 << 20
 
 
@@ -96,14 +98,20 @@ class ServeConfig:
         if self.tpot_slo_ms is not None:
             check_number("tpot_slo_ms", self.tpot_slo_ms, 0.0, above=True)
         check_number("shutdown_timeout", self.shutdown_timeout, 0.0)
+        if self.shutdown_timeout >= 86400:  # (threading's waits take at most ~9e9 s)
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout:g}: must be under a "
+                             "day (86400 s)")
         if self.max_request_bytes is not None:
             check_int("max_request_bytes", self.max_request_bytes, minimum=1024)
         if self.price_per_hour is not None:
             check_number("price_per_hour", self.price_per_hour, 0.0)
         if self.kv_cache_memory is not None:
             check_int("kv_cache_memory", self.kv_cache_memory, minimum=1)
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        if self.api_key is not None and not (
+                self.api_key.isascii() and self.api_key.isprintable() and self.api_key
+                and not any(c.isspace() for c in self.api_key)):
+            raise ValueError("api_key must be printable ASCII without spaces (a bearer "
+                             "token)")
         if self.offload and self.attention != "hisparse":
             raise ValueError("offload: only attention='hisparse' has cold pages to offload")
         if self.offload_policy not in POLICIES:
@@ -236,6 +244,14 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
     tools: Any = None
     response_format: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What each of a request's generations runs with (its i-th: seed + i)."""
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    fault: int | None  # fault_nan_kv_after (tests only)
 
 
 # ---------------------------------------------------------------- lineage
@@ -376,8 +392,10 @@ class LineageHeader:
 
 def build_app(st: State) -> FastAPI:
     header = ", ".join(m.header for m in st.models.values())  # routes not about one model
-    body_limit = st.cfg.max_request_bytes or max(
-        MIN_BODY, BODY_BYTES_PER_TOKEN * max(m.engine.max_context for m in st.models.values()))
+    body_limit = st.cfg.max_request_bytes or MIN_BODY + max(
+        m.engine.max_context * max(ID_BYTES, JSON_GROWTH * (m.tokenizer.max_token_bytes
+                                                            if m.tokenizer else 0))
+        for m in st.models.values())
 
     async def lifespan(app):
         for m in st.models.values():
@@ -419,8 +437,9 @@ def build_app(st: State) -> FastAPI:
         if key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer"  # the scheme is case-insensitive (RFC 7235)
-                and hmac.compare_digest(given.strip().encode(), key.encode())):
+        # the scheme is case-insensitive (RFC 7235); headers arrive as latin-1 text
+        if not (scheme.lower() == "bearer"
+                and hmac.compare_digest(given.strip().encode("latin-1"), key.encode())):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                            type="authentication_error", code="invalid_api_key")
 
@@ -490,7 +509,7 @@ def build_app(st: State) -> FastAPI:
         auth(request)
         return {"object": "list", "data": [model_card(m) for m in st.models.values()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id}")
     async def model(model_id: str, request: HTTPRequest):
         auth(request)
         return model_card(served(model_id))
@@ -506,10 +525,11 @@ def build_app(st: State) -> FastAPI:
             prompt = prompt[0]
         if r.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        ids = await asyncio.to_thread(prompt_ids, ms, prompt)
         if r.logprobs is not None and not 0 <= r.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
-        reqs = make_requests(ms, r, ids, r.max_tokens, r.logprobs)
+        gen = generation(ms, r)
+        ids = await asyncio.to_thread(prompt_ids, ms, prompt)
+        reqs = make_requests(ms, r, gen, ids, r.max_tokens, r.logprobs)
         return await respond(request, ms, r, reqs, "text_completion",
                              traffic(ms, r, reqs, prompt=prompt))
 
@@ -572,7 +592,6 @@ def build_app(st: State) -> FastAPI:
                                param="messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(p.text for p in m.content or ())} for m in r.messages]
-        ids = await asyncio.to_thread(chat_ids, ms, messages)
         if r.top_logprobs is not None and not r.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = None
@@ -580,9 +599,11 @@ def build_app(st: State) -> FastAPI:
             top = r.top_logprobs or 0
             if not 0 <= top <= 20:
                 raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
+        gen = generation(ms, r)
+        ids = await asyncio.to_thread(chat_ids, ms, messages)
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None \
             else r.max_tokens
-        reqs = make_requests(ms, r, ids, max_tokens, top)
+        reqs = make_requests(ms, r, gen, ids, max_tokens, top)
         return await respond(request, ms, r, reqs, "chat.completion",
                              traffic(ms, r, reqs, messages=messages))
 
@@ -603,17 +624,19 @@ def build_app(st: State) -> FastAPI:
 
     def text_ids(ms: Served, text: str, param: str, add_bos: bool | None = None) -> list[int]:
         """`text` through the model's tokenizer. A text too long for the context by
-        its bytes alone is refused without tokenizing it (a token is at most
-        `max_token_bytes` bytes)."""
+        its bytes alone is refused without tokenizing it (`Tokenizer.min_tokens`)."""
         try:
             size = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:
             raise APIError(400, f"{param}: not valid Unicode ({e.reason} at character "
                            f"{e.start})", param=param) from None
-        least = -(-size // ms.tokenizer.max_token_bytes)
+        least = ms.tokenizer.min_tokens(size)
         if least >= ms.engine.max_context:
             raise too_long(ms, least, param, at_least=True)
-        return ms.tokenizer.encode(text, add_bos=add_bos)
+        try:
+            return ms.tokenizer.encode(text, add_bos=add_bos)
+        except Exception as e:  # noqa: BLE001 (the tokenizer's own error, as a 400)
+            raise APIError(400, f"{param} cannot be tokenized: {e}", param=param) from None
 
     def prompt_ids(ms: Served, prompt: str | list[int]) -> list[int]:
         """Text through the model's tokenizer, or token ids checked against its vocabulary."""
@@ -637,10 +660,9 @@ def build_app(st: State) -> FastAPI:
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
         return text_ids(ms, text, "messages", add_bos=False)
 
-    def make_requests(ms: Served, r: _Common, ids: list[int], max_tokens: int | None,
-                      logprobs) -> list[Request]:
-        """The request's `n` generations: one Request each, the i-th seeded seed + i
-        (so that sampled choices differ, and each reproduces)."""
+    def generation(ms: Served, r: _Common) -> Generation:
+        """What each of the request's generations runs with, checked before its
+        prompt is tokenized (a request refused for these costs no tokenizing)."""
         if not 1 <= r.n <= MAX_N:
             raise APIError(400, f"n={r.n}: must be in [1, {MAX_N}]", param="n")
         for name, fine in NOT_IMPLEMENTED.items():
@@ -648,27 +670,6 @@ def build_app(st: State) -> FastAPI:
             if value is not None and value not in fine:
                 raise APIError(400, f"{name}={value!r}: not supported by this server "
                                f"(only {' or '.join(map(repr, fine))})", param=name)
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if r.context_id is not None:
-            pinned = ms.scheduler.prefixes.get(r.context_id)
-            if pinned is None:
-                raise APIError(404, f"no prewarmed context `{r.context_id}`",
-                               param="context_id", code="context_not_found")
-            ids = list(pinned.ids) + ids
-        limit = ms.engine.max_context
-        if len(ids) >= limit:  # no room for one generated token, whatever max_tokens says
-            raise too_long(ms, len(ids), "prompt")
-        if max_tokens is None:
-            max_tokens = limit - len(ids)
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens={max_tokens}: must be at least 1",
-                           param="max_tokens")
-        if len(ids) + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                           f"However, you requested {len(ids) + max_tokens} tokens "
-                           f"({len(ids)} in the prompt, {max_tokens} for the completion).",
-                           param="max_tokens", code="context_length_exceeded")
         if r.stream_options is not None and not r.stream:
             raise APIError(400, "stream_options: only with stream: true",
                            param="stream_options")
@@ -711,10 +712,38 @@ def build_app(st: State) -> FastAPI:
             if ms.engine.cache_cfg is None or fault < 1:
                 raise APIError(400, "fault_nan_kv_after: a token count >= 1, on a HiSparse "
                                "engine", param="fault_nan_kv_after")
-        return [Request(ids=ids, max_tokens=max_tokens, sink=None, stops=tuple(stops),
-                        sampling=dataclasses.replace(sampling, seed=(seed + i) % 2**32),
+        return Generation(sampling, tuple(stops), fault)
+
+    def make_requests(ms: Served, r: _Common, gen: Generation, ids: list[int],
+                      max_tokens: int | None, logprobs) -> list[Request]:
+        """The request's `n` generations: one Request each, the i-th seeded seed + i
+        (so that sampled choices differ, and each reproduces)."""
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if r.context_id is not None:
+            pinned = ms.scheduler.prefixes.get(r.context_id)
+            if pinned is None:
+                raise APIError(404, f"no prewarmed context `{r.context_id}`",
+                               param="context_id", code="context_not_found")
+            ids = list(pinned.ids) + ids
+        limit = ms.engine.max_context
+        if len(ids) >= limit:  # no room for one generated token, whatever max_tokens says
+            raise too_long(ms, len(ids), "prompt")
+        if max_tokens is None:
+            max_tokens = limit - len(ids)
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens={max_tokens}: must be at least 1",
+                           param="max_tokens")
+        if len(ids) + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                           f"However, you requested {len(ids) + max_tokens} tokens "
+                           f"({len(ids)} in the prompt, {max_tokens} for the completion).",
+                           param="max_tokens", code="context_length_exceeded")
+        seed = gen.sampling.seed
+        return [Request(ids=ids, max_tokens=max_tokens, sink=None, stops=gen.stops,
+                        sampling=dataclasses.replace(gen.sampling, seed=(seed + i) % 2**32),
                         eos=() if r.ignore_eos else ms.eos, logprobs=logprobs,
-                        fault_nan_kv_after=fault) for i in range(r.n)]
+                        fault_nan_kv_after=gen.fault) for i in range(r.n)]
 
     def submit(ms: Served, req: Request):
         try:

@@ -147,17 +147,27 @@ def serve(cfg):
     logging.getLogger("jax").setLevel(logging.WARNING)
     st = build_state(cfg)
 
+    # On the first signal the engines end what still runs at the deadline, so that
+    # its streams close properly before uvicorn's own. The thread that does it waits
+    # from the start: a signal handler only sets an event (starting a thread there
+    # could deadlock on threading's own lock, held by the code it interrupted).
+    stopping = threading.Event()
+
+    def drain():
+        stopping.wait()
+        st.drain()
+
+    threading.Thread(target=drain, name="hisparse-drain", daemon=True).start()
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             # uvicorn re-raises a captured signal after shutting down (exit code
             # 143): a graceful stop is a normal exit here.
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
-            if not self.should_exit:  # the engines end what still runs at the deadline,
-                # so that its streams close properly before uvicorn's own deadline
-                st.stop_admitting()  # /health answers 503 from now on
-                threading.Thread(target=st.drain, name="hisparse-drain", daemon=True).start()
             self.should_exit = True
+            st.stop_admitting()  # /health answers 503 from now on
+            stopping.set()
 
     # uvicorn's deadline, a backstop: by then the streams have ended (SHUTDOWN_GRACE_S
     # for their last chunks to go out)
@@ -246,8 +256,8 @@ def add_serving_parsers(subparsers):
                         f"{GANG_STAGES} prompts start decoding together where their "
                         "step fits it (default: none, one block per step)")
     s.add_argument("--max-request-bytes", type=_size, default=None, metavar="BYTES",
-                   help="a longer request body gets a 413 (default: 64 bytes per token of "
-                        "the longest --max-context, at least 4MiB)")
+                   help="a longer request body gets a 413 (default: room for the longest "
+                        "prompt the context holds, JSON-escaped, and 4MiB)")
     s.add_argument("--shutdown-timeout", type=number(0.0), default=30.0, metavar="S",
                    help="on SIGTERM: seconds the running requests have to finish before "
                         "they are ended (finish_reason 'abort')")

@@ -318,6 +318,25 @@ def test_config_from_environment():
     assert 2.5 < 256 / rt.bytes_per_token_per_head(cfg) < 3.2
 
 
+@pytest.mark.parametrize("page", [16, 32, 128])
+def test_the_bridge_runs_what_the_engine_runs(page):
+    """One function (config.model_preset) makes both: the same selection, tiers and
+    value group for the same shapes, the windows and the context in whole blocks."""
+    from hisparse_jax.models.engine import model_cache_config
+    from hisparse_jax.models.llama import LlamaConfig
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+    bridge = rt.make_config(num_kv_heads=3, num_heads=9, head_dim=64, page_size=page,
+                            max_model_len=8000, max_seqs=4)
+    engine = model_cache_config(smollm2, 8000, 4, bridge.budget_tokens,
+                                {"page_size": page})
+    assert bridge == engine
+    assert (bridge.value_group, bridge.rerank_multiple) == (64, 2.0)
+    for n in (bridge.sink_tokens, bridge.hot_tokens, bridge.warm_tokens, bridge.max_context):
+        assert n % page == 0
+    assert bridge.hot_tokens == max(64, page) and bridge.max_context >= 8000
+
+
 @pytest.mark.parametrize("max_model_len, page, budget", [
     (2048, 16, 512), (8192, 16, 512), (16384, 16, 1024), (12000, 128, 640),
     (32768, 16, 2048), (131072, 128, 2048)])
