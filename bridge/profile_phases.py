@@ -41,7 +41,7 @@ def _timed(name, f, sync):
 
 def _layer_sync(args, out):
     layer = args[0]
-    jax.block_until_ready((layer.state, layer.staged, out))
+    jax.block_until_ready((layer.stacked, layer.staged, out))
 
 
 def main(argv=None):

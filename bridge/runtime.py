@@ -18,9 +18,11 @@ How vLLM's requests map onto HiSparse (docs/vllm.md, "Requests and slots"):
   exact (bf16) in a staging buffer owned by the layer, and each prefill chunk
   attends the staged prefix and itself causally (`prefix_attention`).
 - The first decode step converts: the staged prompt becomes the slot's HiSparse
-  state (`hisparse_jax.state.prefill`, every page straight to its tier), the
+  state (`hisparse_jax.state.prefill_layer`, every page straight to its tier), the
   staging buffer is dropped, and from then on the slot appends one token per
-  step (`append_token`) and decodes sparsely (`decode_step`).
+  step and decodes sparsely (`attention.decode_layer`), all written in place in
+  the layer's one-layer stacked state (`state.init_stacked`), as the serving
+  engine's layers are.
 - Cold pages live in HiSparse's pool at vLLM's block ids: page p of a request is
   stored at pool page `block_table[row, p]` (block size = page size). The
   free-page stack is loaded with exactly those ids before each prefill or
@@ -43,8 +45,14 @@ import numpy as np
 
 from hisparse_jax import layout
 from hisparse_jax import state as st
-from hisparse_jax.attention import causal_prefill_attention, decode_step
-from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, default_budget_tokens, model_preset
+from hisparse_jax.attention import causal_prefill_attention, decode_layer
+from hisparse_jax.config import (
+    FULL_BUDGET,
+    HiSparseConfig,
+    default_budget_tokens,
+    model_preset,
+    resolve_implementation,
+)
 
 log = logging.getLogger("hisparse.bridge")
 
@@ -410,57 +418,67 @@ class SlotTable:
 
 # ---------------------------------------------------------------- device side: jitted pieces
 
-def _load_free_stack(cfg: HiSparseConfig, state: st.CacheState, ids, n):
+# Each layer's state is kept layer-stacked (one layer, `state.init_stacked`), the form
+# whose writes XLA does in place: a step on a plain state, wrapped into that form and
+# back inside the program, copied the whole pool several times (56 ms a layer at a
+# 2 GiB pool, against 2-3 ms now; docs/vllm.md, "The decode step in place").
+
+def _load_free_stack(cfg: HiSparseConfig, stacked: st.CacheState, ids, n):
     """Make the next n pops of the free-page stack return ids[0], ids[1], ..."""
     r = jnp.arange(ids.shape[0])
     pos = jnp.where(r < n, n - 1 - r, cfg.pool_pages)
-    return state.replace(free_pages=state.free_pages.at[pos].set(ids, mode="drop"),
-                         num_free=jnp.asarray(n, jnp.int32))
+    return stacked.replace(free_pages=stacked.free_pages.at[0, pos].set(ids, mode="drop"),
+                           num_free=stacked.num_free.at[0].set(n))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def prefill_at(cfg: HiSparseConfig, state: st.CacheState, seq, k, v, length, ids, n_ids):
-    """`state.prefill` of slot `seq` whose cold pages go to pool pages `ids`."""
-    state = _load_free_stack(cfg, state, ids, n_ids)
-    return st.prefill(cfg, state, seq, k, v, length)
+def prefill_at(cfg: HiSparseConfig, stacked: st.CacheState, seq, k, v, length, ids, n_ids):
+    """`state.prefill` of the empty slot `seq` whose cold pages go to pool pages `ids`."""
+    stacked = _load_free_stack(cfg, stacked, ids, n_ids)
+    return st.prefill_layer(cfg, stacked, jnp.int32(0), seq, k, v, length,
+                            release_first=False)[0]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def release_slot(cfg: HiSparseConfig, state: st.CacheState, seq):
-    return st.release(cfg, state, seq)
+def release_slot(cfg: HiSparseConfig, stacked: st.CacheState, seq):
+    return st.release_layer(cfg, stacked, 0, seq)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnums=1)
-def decode_rows(cfg: HiSparseConfig, state: st.CacheState, q, k, v, slots, ids, n_ids,
+def decode_rows(cfg: HiSparseConfig, stacked: st.CacheState, q, k, v, slots, ids, n_ids,
                 q_scale, *, width: int | None = None):
     """Append one token to each listed slot and decode it sparsely.
 
     q [R, Hq, D], k, v [R, Hkv, D] (R = max_seqs rows; rows whose slot is -1 are
     padding); slots [R] int32; ids [R] int32: pool pages for the pages that turn
-    cold, in slot order. Returns (out [R, Hq, D] float32, state). Slots not listed
+    cold, in slot order. Returns (out [R, Hq, D] float32, stacked). Slots not listed
     keep their selection memory (`last_selected`) untouched. width: compute slots
     0..width-1 only (`state.decode_width`; every listed slot must be below it):
-    their tiers are copied out and back, the pool stays in place.
+    their tiers are copied out and back (not the window's on the "cpu" kernels,
+    which read them in place), the pool stays in place.
     """
-    part_cfg, part = st.first_slots(cfg, state, width or cfg.max_seqs)
-    out, part = _decode_rows(part_cfg, part, q, k, v, slots, ids, n_ids, q_scale)
-    return out, st.put_first_slots(state, part)
+    stacked = _load_free_stack(cfg, stacked, ids, n_ids)
+    keep = st.WINDOW_FIELDS if resolve_implementation(None, cfg) == "cpu" else ()
+    part_cfg, part = st.first_slots(cfg, stacked, width or cfg.max_seqs, axis=1, keep=keep)
+    out, part = _decode_rows(part_cfg, part, q, k, v, slots, q_scale)
+    return out, st.put_first_slots(stacked, part, axis=1)
 
 
-def _decode_rows(cfg, state, q, k, v, slots, ids, n_ids, q_scale):
+def _decode_rows(cfg, stacked, q, k, v, slots, q_scale):
     b = cfg.max_seqs
     sl = jnp.where(slots >= 0, slots, b)
     active = jnp.zeros((b,), bool).at[sl].set(True, mode="drop")
 
-    def scatter(x, dtype):
-        return jnp.zeros((b, *x.shape[1:]), dtype).at[sl].set(x.astype(dtype), mode="drop")
+    def scatter(x):
+        return jnp.zeros((b, *x.shape[1:]), jnp.float32).at[sl].set(
+            x.astype(jnp.float32), mode="drop")
 
-    state = _load_free_stack(cfg, state, ids, n_ids)
-    state = st.append_token(cfg, state, scatter(k, jnp.float32), scatter(v, jnp.float32), active)
-    out, _, nxt = decode_step(cfg, state, scatter(q, jnp.float32) * q_scale)
-    nxt = nxt.replace(last_selected=jnp.where(active[:, None, None], nxt.last_selected,
-                                              state.last_selected))
-    return out[jnp.clip(slots, 0, b - 1)], nxt
+    held = stacked.last_selected[0]
+    out, stacked = decode_layer(cfg, stacked, jnp.int32(0), scatter(q) * q_scale,
+                                scatter(k), scatter(v), active)
+    kept = jnp.where(active[:, None, None], stacked.last_selected[0], held)
+    return (out[jnp.clip(slots, 0, b - 1)],
+            stacked.replace(last_selected=stacked.last_selected.at[0].set(kept)))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
@@ -552,16 +570,21 @@ class LayerCache:
         self.cfg = cfg
         self.scale = float(scale)
         self.q_scale = jnp.float32(self.scale * math.sqrt(cfg.head_dim))
-        self.state = st.init_state(cfg)
+        self.stacked = st.init_stacked(cfg, 1)  # this layer's state (see prefill_at)
         self.staged: dict[int, tuple] = {}  # slot -> (kbuf, vbuf) [cap, Hkv, D]
         # (q [>= n, Hq, D], kbuf, vbuf, ctx, n, scale) -> [>= n, Hq, D]: exact causal
         # attention of n queries at positions ctx.. over staged keys [0, ctx + n).
         self.exact_attention = exact_attention or jax_exact_attention
 
+    @property
+    def state(self) -> st.CacheState:
+        """The layer's state (a copy: for reading)."""
+        return st.layer_view(self.cfg, self.stacked, 0)
+
     # -- pieces
     def release(self, slot: int):
         self.staged.pop(slot, None)
-        self.state = release_slot(self.cfg, self.state, jnp.int32(slot))
+        self.stacked = release_slot(self.cfg, self.stacked, jnp.int32(slot))
 
     def _stage(self, r: ReqPlan, batch):
         """Stage a prefill chunk's K/V; exact attention over the prefix and itself."""
@@ -586,14 +609,14 @@ class LayerCache:
         kbuf, vbuf = self.staged.pop(r.slot)
         ids = np.zeros(self.cfg.max_pages, np.int32)
         ids[:len(r.prefill_ids)] = r.prefill_ids
-        self.state = prefill_at(self.cfg, self.state, jnp.int32(r.slot), kbuf, vbuf,
+        self.stacked = prefill_at(self.cfg, self.stacked, jnp.int32(r.slot), kbuf, vbuf,
                                 jnp.int32(r.ctx), jnp.asarray(ids),
                                 jnp.int32(len(r.prefill_ids)))
 
     def _decode(self, q, k, v, slots, ids, n_ids):
         # only the slots up to the highest listed one (SlotTable takes the lowest free)
         width = st.decode_width(self.cfg.max_seqs, int(np.max(slots)) + 1)
-        out, self.state = decode_rows(self.cfg, self.state, q, k, v, jnp.asarray(slots),
+        out, self.stacked = decode_rows(self.cfg, self.stacked, q, k, v, jnp.asarray(slots),
                                       jnp.asarray(ids), jnp.int32(n_ids), self.q_scale,
                                       width=width)
         return out
@@ -629,12 +652,12 @@ class LayerCache:
                 out = self._decode(q, k, v, slots, ids, int(p >= 0))
                 results.append(("rows", rows[:1], out))
         # vLLM reuses its q/k/v buffers after we return: nothing may still read them.
-        jax.block_until_ready((self.state, self.staged, [x[-1] for x in results]))
+        jax.block_until_ready((self.stacked, self.staged, [x[-1] for x in results]))
         return results
 
     def nbytes(self) -> int:
         """Bytes of the HiSparse state plus the staging buffers held now."""
-        return layout.nbytes(self.state) + layout.nbytes(self.staged)
+        return layout.nbytes(self.stacked) + layout.nbytes(self.staged)
 
 
 class ArrayBatch:

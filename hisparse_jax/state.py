@@ -507,6 +507,22 @@ def release(cfg: HiSparseConfig, state: CacheState, seq: jax.Array) -> CacheStat
                          poisoned=state.poisoned.at[seq].set(False))
 
 
+def release_layer(cfg: HiSparseConfig, stacked: CacheState, layer, seq) -> CacheState:
+    """`release` of sequence `seq` on layer `layer` of a layer-stacked state, in
+    place (the pool untouched)."""
+    l = layer
+    refcount, free_pages, num_free = _unref_arrays(
+        cfg, stacked.refcount[l], stacked.free_pages[l], stacked.num_free[l],
+        stacked.page_table[l, seq])
+    return stacked.replace(refcount=stacked.refcount.at[l].set(refcount),
+                           free_pages=stacked.free_pages.at[l].set(free_pages),
+                           num_free=stacked.num_free.at[l].set(num_free),
+                           page_table=stacked.page_table.at[l, seq].set(-1),
+                           seq_lens=stacked.seq_lens.at[l, seq].set(0),
+                           last_selected=stacked.last_selected.at[l, seq].set(False),
+                           poisoned=stacked.poisoned.at[l, seq].set(False))
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def retain_pages(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheState:
     """One more reference (a prefix index's) to each pool page in `pages` [n] (-1 = skip)."""

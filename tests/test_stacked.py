@@ -118,6 +118,24 @@ def test_prefill_layer_equals_release_and_prefill_and_leaves_other_layers(page, 
         _check_layer(cfg, stacked, before, layer, want)
 
 
+@pytest.mark.parametrize("page", [16, 32])
+def test_release_layer_equals_release_and_leaves_other_layers(page):
+    """`release_layer` (the vLLM bridge's, in place) against `release` on the
+    layer's own state: every field bit for bit (a slot released twice, an empty
+    one), the other layers untouched."""
+    cfg = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=2048,
+                         max_seqs=3, page_size=page)
+    layers = _filled(cfg, [(page * 40 - 2, page * 9 - 1, 0), (page * 30 - 1, 700, 5),
+                           (0, 3, page * 20)][:LAYERS], seed=page)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *map(st.stored, layers))
+    for layer, seq in ((0, 0), (1, 1), (1, 2), (0, 0)):
+        before = stacked
+        stacked = jax.jit(st.release_layer, static_argnums=0)(
+            cfg, stacked, jnp.int32(layer), jnp.int32(seq))
+        layers[layer] = st.release(cfg, layers[layer], jnp.int32(seq))
+        _check_layer(cfg, stacked, before, layer, layers[layer])
+
+
 def test_layer_loop_appends_in_place():
     """A 4-layer loop of appends needs no temporary the size of a layer's pool:
     nothing is copied (a per-layer slice written back whole copies every layer)."""
