@@ -126,10 +126,13 @@ class Tokenizer:
         without tokenizing it: text_bytes / max_token_bytes where each token is the
         bytes of the text it consumed (a byte-level vocabulary, no normalizer, no
         added token that strips the spaces beside it); else 0, no bound."""
-        exact = (self._byte_alphabet is not None and self.hf.normalizer is None
-                 and not any(t.lstrip or t.rstrip
-                             for t in self.hf.get_added_tokens_decoder().values()))
-        return -(-text_bytes // self.max_token_bytes) if exact else 0
+        return -(-text_bytes // self.max_token_bytes) if self._bytes_bound_exact else 0
+
+    @functools.cached_property
+    def _bytes_bound_exact(self) -> bool:
+        return (self._byte_alphabet is not None and self.hf.normalizer is None
+                and not any(t.lstrip or t.rstrip
+                            for t in self.hf.get_added_tokens_decoder().values()))
 
     @functools.cached_property
     def _added(self) -> frozenset[int]:

@@ -401,9 +401,9 @@ def build_app(st: State) -> FastAPI:
         for m in st.models.values():
             m.scheduler.start()
         yield
-        # uvicorn has closed the socket and waited for the open requests
-        for m in st.models.values():
-            await asyncio.to_thread(m.scheduler.stop, st.cfg.shutdown_timeout)
+        # uvicorn has closed the socket and waited for the open requests (after a
+        # signal the drain has run already, and this returns at once)
+        await asyncio.to_thread(st.drain)
 
     app = FastAPI(title="hisparse", lifespan=lifespan)
 
