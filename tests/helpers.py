@@ -165,10 +165,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(args, log, start_s: float, python: str | None = None):
-    """`python -m hisparse_jax.serving ARGS --port P` on a free loopback port, output in
-    `log` (`python`: this interpreter unless given); yields (url, proc) once /health
-    answers. Stopped by its PID at the end, whatever happened (SIGKILL if it still
+def running_server(args, log, start_s: float, python: str | None = None,
+                   module: str = "hisparse_jax.serving"):
+    """`python -m MODULE ARGS --port P` (our server unless given) on a free loopback
+    port, output in `log` (`python`: this interpreter unless given); yields (url,
+    proc) once /health answers. Stopped by its PID at the end, whatever happened (SIGKILL if it still
     runs: a test that stops it gracefully does so itself and checks the exit code)."""
     import signal
     import subprocess
@@ -179,7 +180,7 @@ def running_server(args, log, start_s: float, python: str | None = None):
     import pytest
     port = free_port()
     with open(log, "w") as out:
-        proc = subprocess.Popen([python or sys.executable, "-m", "hisparse_jax.serving", *args,
+        proc = subprocess.Popen([python or sys.executable, "-m", module, *args,
                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
