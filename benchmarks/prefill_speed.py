@@ -1,6 +1,7 @@
 """Whole-model prefill time by exact causal attention, interleaved in one process:
-the AMX kernel (`cpu_kernels/causal_attention.cc`, the default where the CPU has
-AMX-BF16), XLA's blocks (`attention.causal_prefill_attention`), and XLA's blocks in
+the kernel (`cpu_kernels/causal_attention.cc`, the default: on AMX tiles where the
+CPU has AMX-BF16, `amx_kernel`, else on AVX-512, `avx512_kernel`, which an AMX CPU
+runs too), XLA's blocks (`attention.causal_prefill_attention`), and XLA's blocks in
 the layout they had before (`prefill_attention_variants.old_layout`, bit-identical
 to XLA's). The real model's 30 layers over the passkey filler (as `hisparse bench
 generate`), the cache fill left out (it is the same for all).
@@ -48,7 +49,10 @@ def float64_attention(q, k, v):
 
 
 ATTENTIONS = {"amx_kernel": lambda q, k, v: cpu_ops.causal_attention(q, k, v, 0),
+              "avx512_kernel": lambda q, k, v: cpu_ops.causal_attention(q, k, v, 0, amx=False),
               "xla": causal_prefill_attention, "old_layout": old_layout}
+# why a kernel's path cannot run here (None: it can)
+UNAVAILABLE = {"amx_kernel": build.amx_unavailable, "avx512_kernel": build.causal_unavailable}
 
 
 def forward(model, attention):
@@ -72,8 +76,9 @@ def main(argv=None):
                    help="prompt lengths (multiples of 512)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention", nargs="+", choices=list(ATTENTIONS),
-                   default=["amx_kernel", "xla"], help="the first is the baseline of "
-                   "speedup and max_logit_diff (amx_kernel is left out without AMX)")
+                   default=["amx_kernel", "avx512_kernel", "xla"], help="the first is the "
+                   "baseline of speedup and max_logit_diff (a kernel's path is left out "
+                   "where it cannot run: amx_kernel without AMX)")
     p.add_argument("--float64", action="store_true",
                    help="also each one's logits against float64 attention's")
     args = p.parse_args(argv)
@@ -82,7 +87,7 @@ def main(argv=None):
         if n % 512:
             p.error(f"--tokens {n}: not a multiple of 512")
         ids = jnp.asarray(prompt(tok, model.cfg.vocab_size, n), jnp.int32)
-        names = [a for a in args.attention if a != "amx_kernel" or not build.amx_unavailable()]
+        names = [a for a in args.attention if a not in UNAVAILABLE or not UNAVAILABLE[a]()]
         runs = {name: forward(model, ATTENTIONS[name]) for name in names}
         logits = {name: np.asarray(f(ids)) for name, f in runs.items()}  # compile
         times = {name: [] for name in runs}

@@ -45,6 +45,7 @@ _lock = threading.Lock()
 _why_not: list[str | None] = []  # [] = not tried yet; [None] = loaded; [reason]
 _amx: list[bool] = []  # the AMX kernels run here (set by _load)
 _products: list[bool] = []  # the weight products' kernels run here: AMX or AVX-512
+_causal: list[bool] = []  # the prefill's causal attention runs here: AMX or AVX-512
 
 
 def _home() -> pathlib.Path:
@@ -98,6 +99,7 @@ def _load() -> None:
                                     platform="cpu")
     _amx.append(bool(lib.HisparseAmxReady()))
     _products.append(bool(lib.HisparseProductsReady()))
+    _causal.append(bool(lib.HisparseCausalReady()))
 
 
 def unavailable() -> str | None:
@@ -114,9 +116,9 @@ def unavailable() -> str | None:
 
 
 def amx_unavailable() -> str | None:
-    """None where the AMX kernels (the prefill's causal attention, the decode's
-    weight products) run: they need AMX-BF16, Intel Xeon since Sapphire Rapids.
-    Else why not."""
+    """None where the AMX kernels (the tiles' paths of the prefill's causal
+    attention and of the weight products) run: they need AMX-BF16, Intel Xeon
+    since Sapphire Rapids. Else why not."""
     why = unavailable()
     if why:
         return why
@@ -130,6 +132,15 @@ def products_unavailable() -> str | None:
     if why:
         return why
     return None if _products[0] else "this CPU has neither AMX-BF16 tiles nor AVX-512"
+
+
+def causal_unavailable() -> str | None:
+    """None where the prefill's causal-attention kernel runs
+    (cpu_kernels/causal_attention.cc): on AMX tiles, or on AVX-512. Else why not."""
+    why = unavailable()
+    if why:
+        return why
+    return None if _causal[0] else "this CPU has neither AMX-BF16 tiles nor AVX-512"
 
 
 def unsupported(head_dim: int, group: int) -> str | None:

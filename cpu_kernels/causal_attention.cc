@@ -1,5 +1,6 @@
-// Exact causal attention for a prompt's prefill on the CPU, on Intel AMX tiles,
-// as an XLA FFI handler.
+// Exact causal attention for a prompt's prefill on the CPU, on Intel AMX tiles or,
+// without them, in AVX-512 float32 multiply-adds (`AvxQueryTile`), as an XLA FFI
+// handler.
 //
 // XLA:CPU runs the prefill's attention as float32 products of whole blocks,
 // writing every score out and reading it back for the softmax. This kernel keeps
@@ -42,6 +43,7 @@ namespace {
 using namespace hisparse_cpu;  // NOLINT
 
 constexpr int64_t kKeyBlock = 64;  // keys per online-softmax step: four 16-key tiles
+constexpr int64_t kLockstep = 4;  // query heads of a group that share each key block
 
 #if HISPARSE_AMX
 // 16 floats -> bf16 bits (RNE), and those bf16 back as floats.
@@ -75,7 +77,6 @@ struct Shapes {
   int64_t T, Hq, Hkv, D, S, start, kend, nkb;
 };
 
-constexpr int64_t kLockstep = 4;  // query heads of a group that share each key block
 
 // One query head's online-softmax state over its 16 queries.
 struct HeadState {
@@ -236,6 +237,123 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
 }
 #endif  // HISPARSE_AMX
 
+#if defined(__AVX512F__)
+// Without AMX: the same layout (rows are keys, lanes are queries) in float32 fused
+// multiply-adds, each key and value converted from bf16 once per call, exactly.
+// A query head's scaled Q^T and its O^T stay in the core's cache; a key block's
+// scores go 8 keys at a time (8 independent sums hide the multiply-add's latency).
+struct AvxHead {
+  alignas(64) float qt[kMaxDim][16];   // Q^T, scaled (log2 units)
+  alignas(64) float acc[kMaxDim][16];  // O^T
+  __m512 m, l;
+};
+
+constexpr int64_t kAvxRows = 8;  // keys (QK) or value dims (PV) per pass
+
+void AvxQueryTile(int64_t T, int64_t Hq, int64_t D, int64_t start, int64_t kend,
+                  const float* q, const float* kh, const float* vh, int64_t h0, int64_t nh,
+                  int64_t q0, float sm_scale, AvxHead* state, float* out) {
+  const int64_t nq = std::min<int64_t>(16, T - q0);
+  alignas(64) int32_t pos[16];  // each lane's last key; padding lanes copy the last query
+  for (int64_t c = 0; c < 16; ++c)
+    pos[c] = static_cast<int32_t>(std::min(start + q0 + std::min(c, nq - 1), kend - 1));
+  const float scale = sm_scale * 1.4426950408889634f;  // log2 units
+  for (int64_t j = 0; j < nh; ++j) {
+    AvxHead& st = state[j];
+    for (int64_t c = 0; c < 16; ++c) {
+      const float* qr = q + ((q0 + std::min(c, nq - 1)) * Hq + h0 + j) * D;
+      for (int64_t d = 0; d < D; ++d) st.qt[d][c] = qr[d] * scale;
+    }
+    std::memset(st.acc, 0, sizeof(float) * 16 * D);
+    st.m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    st.l = _mm512_setzero_ps();
+  }
+  alignas(64) float sc[kKeyBlock][16];  // S^T of a key block, then P^T
+  const __m512i posv = _mm512_load_si512(pos);
+  const int64_t blocks = pos[15] / kKeyBlock + 1;
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k0 = kb * kKeyBlock;
+    const bool diagonal = k0 + kKeyBlock - 1 > pos[0];
+    const float* kblock = kh + k0 * D;
+    const float* vblock = vh + k0 * D;
+    for (int64_t j = 0; j < nh; ++j) {
+      AvxHead& st = state[j];
+      for (int64_t r0 = 0; r0 < kKeyBlock; r0 += kAvxRows) {
+        __m512 a[kAvxRows];
+        for (int i = 0; i < kAvxRows; ++i) a[i] = _mm512_setzero_ps();
+        const float* kr = kblock + r0 * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 qv = _mm512_load_ps(st.qt[d]);
+          for (int i = 0; i < kAvxRows; ++i)
+            a[i] = _mm512_fmadd_ps(_mm512_set1_ps(kr[i * D + d]), qv, a[i]);
+        }
+        for (int i = 0; i < kAvxRows; ++i) _mm512_store_ps(sc[r0 + i], a[i]);
+      }
+      if (diagonal) {  // hide each query's future keys
+        for (int64_t r = 0; r < kKeyBlock; ++r) {
+          const __mmask16 future = _mm512_cmpgt_epi32_mask(
+              _mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
+          _mm512_mask_store_ps(sc[r], future,
+                               _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+        }
+      }
+      __m512 mx[4] = {st.m, st.m, st.m, st.m};
+      for (int64_t r = 0; r < kKeyBlock; r += 4)
+        for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
+      const __m512 m_new =
+          _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+      const __m512 corr = Exp2x16<true>(_mm512_sub_ps(st.m, m_new));
+      const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
+      const __m512 m = st.m = m_new;
+      __m512 sum = _mm512_setzero_ps();
+      const auto probabilities = [&](auto clamp) {
+        for (int64_t r = 0; r < kKeyBlock; ++r) {
+          const __m512 p = Exp2x16<clamp()>(_mm512_sub_ps(_mm512_load_ps(sc[r]), m));
+          sum = _mm512_add_ps(sum, p);
+          _mm512_store_ps(sc[r], p);
+        }
+      };
+      if (diagonal)
+        probabilities(std::true_type{});
+      else
+        probabilities(std::false_type{});
+      st.l = _mm512_add_ps(_mm512_mul_ps(st.l, corr), sum);
+      for (int64_t d0 = 0; d0 < D; d0 += kAvxRows) {  // O^T = corr O^T + V^T P^T
+        __m512 o[kAvxRows];
+        for (int i = 0; i < kAvxRows; ++i) {
+          o[i] = _mm512_load_ps(st.acc[d0 + i]);
+          if (rescale) o[i] = _mm512_mul_ps(o[i], corr);
+        }
+        for (int64_t r = 0; r < kKeyBlock; ++r) {
+          const __m512 p = _mm512_load_ps(sc[r]);
+          const float* vr = vblock + r * D + d0;
+          for (int i = 0; i < kAvxRows; ++i)
+            o[i] = _mm512_fmadd_ps(_mm512_set1_ps(vr[i]), p, o[i]);
+        }
+        for (int i = 0; i < kAvxRows; ++i) _mm512_store_ps(st.acc[d0 + i], o[i]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nh; ++j) {
+    AvxHead& st = state[j];
+    for (int64_t d = 0; d < D; ++d)
+      _mm512_store_ps(st.acc[d], _mm512_div_ps(_mm512_load_ps(st.acc[d]), st.l));
+    for (int64_t c = 0; c < nq; ++c) {
+      float* o = out + ((q0 + c) * Hq + h0 + j) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = st.acc[d][c];
+    }
+  }
+}
+#endif  // __AVX512F__
+
+inline bool UseAmx(int32_t amx) {
+#if HISPARSE_AMX
+  return amx && AmxReady();
+#else
+  return false;
+#endif
+}
+
 // q [T,Hq,D] f32 (query i at position start+i); k, v [L,S,Hkv,D] bf16, of which
 // layer s32[] is read in place (a chunked prefill's staged K/V: slicing it in XLA
 // copies the whole layer every block); start s32[]
@@ -243,75 +361,124 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
 ffi::Error CausalAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> start,
-                               ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
-#if !HISPARSE_AMX
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "hisparse causal_attention: built for a CPU without AMX-BF16");
-#else
+                               ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t amx) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()))
     return ffi::Error::InvalidArgument("hisparse causal_attention: ranks or k/v shapes");
-  Shapes s{qd[0], qd[1], kd[2], qd[2], kd[1], std::max<int64_t>(start.typed_data()[0], 0), 0, 0};
-  if (s.D % 64 || s.D > kMaxDim || kd[3] != s.D || s.Hkv == 0 || s.Hq % s.Hkv || s.S == 0)
+  const int64_t T = qd[0], Hq = qd[1], D = qd[2], S = kd[1], Hkv = kd[2];
+  const int64_t first = std::max<int64_t>(start.typed_data()[0], 0);
+  if (D % 64 || D > kMaxDim || kd[3] != D || Hkv == 0 || Hq % Hkv || S == 0)
     return ffi::Error::InvalidArgument("hisparse causal_attention: shapes");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0])
     return ffi::Error::InvalidArgument("hisparse causal_attention: layer out of range");
-  if (!AmxReady())
-    return ffi::Error(ffi::ErrorCode::kUnavailable,
-                      "hisparse causal_attention: the kernel refused AMX's tile state");
-  if (s.T == 0) return ffi::Error::Success();
-  s.kend = std::min(s.S, s.start + s.T);  // the keys any query sees
-  s.nkb = (s.kend + kKeyBlock - 1) / kKeyBlock;
-  const int64_t D = s.D, keys = s.nkb * kKeyBlock;
-  // Each KV head's keys [keys, D] and values transposed by 32 keys [keys / 32, D, 32],
-  // zero past kend (never read as garbage by the tiles)
-  std::vector<uint16_t> kp(s.Hkv * keys * D), vt(s.Hkv * keys * D);
-  const int64_t layer_size = s.S * s.Hkv * D;
+  const bool tiles = UseAmx(amx);
+#if !defined(__AVX512F__)
+  if (!tiles)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "hisparse causal_attention: built for a CPU with neither AMX-BF16 nor "
+                      "AVX-512");
+#endif
+  if (T == 0) return ffi::Error::Success();
+  const int64_t kend = std::min(S, first + T);  // the keys any query sees
+  const int64_t nkb = (kend + kKeyBlock - 1) / kKeyBlock, keys = nkb * kKeyBlock;
+  const int64_t layer_size = S * Hkv * D;
   const uint16_t* kin = reinterpret_cast<const uint16_t*>(k.typed_data()) + l * layer_size;
   const uint16_t* vin = reinterpret_cast<const uint16_t*>(v.typed_data()) + l * layer_size;
-  ParallelFor(pool, s.Hkv * s.nkb, [&](int64_t u) {
-    const int64_t hk = u / s.nkb, j0 = (u % s.nkb) * kKeyBlock;
+  const int64_t qtiles = (T + 15) / 16, group = Hq / Hkv;
+  const int64_t chunks = (group + kLockstep - 1) / kLockstep;  // of a group's heads
+  // units (KV head, heads chunk, query tile), the longest tiles first
+  const auto unit = [&](int64_t u, int64_t* hk, int64_t* h0, int64_t* nh) {
+    const int64_t per_tile = Hkv * chunks;
+    *hk = u % per_tile / chunks;
+    *h0 = *hk * group + u % chunks * kLockstep;
+    *nh = std::min(kLockstep, (*hk + 1) * group - *h0);
+    return (qtiles - 1 - u / per_tile) * 16;
+  };
+  if (tiles) {
+#if HISPARSE_AMX
+    Shapes s{T, Hq, Hkv, D, S, first, kend, nkb};
+    // Each KV head's keys [keys, D] and values transposed by 32 keys [keys / 32, D, 32],
+    // zero past kend (never read as garbage by the tiles)
+    std::vector<uint16_t> kp(Hkv * keys * D), vt(Hkv * keys * D);
+    ParallelFor(pool, Hkv * nkb, [&](int64_t u) {
+      const int64_t hk = u / nkb, j0 = (u % nkb) * kKeyBlock;
+      for (int64_t j = j0; j < j0 + kKeyBlock; ++j) {
+        uint16_t* kdst = kp.data() + (hk * keys + j) * D;
+        uint16_t* vdst = vt.data() + (hk * keys + j / 32 * 32) * D + j % 32;
+        if (j < kend) {
+          const int64_t at = (j * Hkv + hk) * D;
+          std::memcpy(kdst, kin + at, sizeof(uint16_t) * D);
+          for (int64_t d = 0; d < D; ++d) vdst[d * 32] = vin[at + d];
+        } else {
+          std::memset(kdst, 0, sizeof(uint16_t) * D);
+          for (int64_t d = 0; d < D; ++d) vdst[d * 32] = 0;
+        }
+      }
+    });
+    ParallelFor(pool, Hkv * chunks * qtiles, [&](int64_t u) {
+      int64_t hk, h0, nh;
+      const int64_t q0 = unit(u, &hk, &h0, &nh);
+      thread_local std::vector<HeadState> state(kLockstep);  // 160 KB: not per unit
+      QueryTile(s, q.typed_data(), kp.data() + hk * keys * D, vt.data() + hk * keys * D, h0,
+                nh, q0, sm_scale, state.data(), out->typed_data());
+    });
+#endif
+    return ffi::Error::Success();
+  }
+#if defined(__AVX512F__)
+  // Each KV head's keys and values [keys, D] as floats, zero past kend
+  std::vector<float> kf(Hkv * keys * D), vf(Hkv * keys * D);
+  ParallelFor(pool, Hkv * nkb, [&](int64_t u) {
+    const int64_t hk = u / nkb, j0 = (u % nkb) * kKeyBlock;
     for (int64_t j = j0; j < j0 + kKeyBlock; ++j) {
-      uint16_t* kdst = kp.data() + (hk * keys + j) * D;
-      uint16_t* vdst = vt.data() + (hk * keys + j / 32 * 32) * D + j % 32;
-      if (j < s.kend) {
-        const int64_t at = (j * s.Hkv + hk) * D;
-        std::memcpy(kdst, kin + at, sizeof(uint16_t) * D);
-        for (int64_t d = 0; d < D; ++d) vdst[d * 32] = vin[at + d];
+      float* kdst = kf.data() + (hk * keys + j) * D;
+      float* vdst = vf.data() + (hk * keys + j) * D;
+      if (j < kend) {
+        const int64_t at = (j * Hkv + hk) * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm512_storeu_ps(kdst + d, Bf16x16(kin + at + d));
+          _mm512_storeu_ps(vdst + d, Bf16x16(vin + at + d));
+        }
       } else {
-        std::memset(kdst, 0, sizeof(uint16_t) * D);
-        for (int64_t d = 0; d < D; ++d) vdst[d * 32] = 0;
+        std::memset(kdst, 0, sizeof(float) * D);
+        std::memset(vdst, 0, sizeof(float) * D);
       }
     }
   });
-  const int64_t tiles = (s.T + 15) / 16, group = s.Hq / s.Hkv;
-  const int64_t chunks = (group + kLockstep - 1) / kLockstep;  // of a group's heads
-  ParallelFor(pool, s.Hkv * chunks * tiles, [&](int64_t u) {
-    const int64_t per_tile = s.Hkv * chunks;
-    const int64_t tile = tiles - 1 - u / per_tile;  // the longest first
-    const int64_t hk = u % per_tile / chunks, h0 = hk * group + u % chunks * kLockstep;
-    thread_local std::vector<HeadState> state(kLockstep);  // 160 KB: not per unit
-    QueryTile(s, q.typed_data(), kp.data() + hk * keys * D, vt.data() + hk * keys * D, h0,
-              std::min(kLockstep, (hk + 1) * group - h0), tile * 16, sm_scale, state.data(),
-              out->typed_data());
+  ParallelFor(pool, Hkv * chunks * qtiles, [&](int64_t u) {
+    int64_t hk, h0, nh;
+    const int64_t q0 = unit(u, &hk, &h0, &nh);
+    thread_local std::vector<AvxHead> state(kLockstep);  // 128 KB: not per unit
+    AvxQueryTile(T, Hq, D, first, kend, q.typed_data(), kf.data() + hk * keys * D,
+                 vf.data() + hk * keys * D, h0, nh, q0, sm_scale, state.data(),
+                 out->typed_data());
   });
-  return ffi::Error::Success();
 #endif
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
-// 1 where the causal-attention kernel runs here: built with AMX-BF16, and the
-// kernel (Linux) grants the process AMX's tile state.
+// 1 where the AMX kernels run here: built with AMX-BF16, and the kernel (Linux)
+// grants the process AMX's tile state.
 extern "C" int HisparseAmxReady() {
 #if HISPARSE_AMX
   return AmxReady() ? 1 : 0;
 #else
   return 0;
+#endif
+}
+
+// 1 where the causal-attention kernel runs: on AMX tiles, or without them on AVX-512.
+extern "C" int HisparseCausalReady() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return UseAmx(1) ? 1 : 0;
 #endif
 }
 
@@ -324,4 +491,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseCausalAttention, CausalAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("amx"));

@@ -162,14 +162,16 @@ def sparse_decode(q, bf16_k, bf16_v, bf16_valid, fp8_k, fp8_v, fp8_k_scale, fp8_
                          int4_v_zero, sm_scale=sm_scale, layer=layer)
 
 
-def causal_attention(q, k, v, start, *, sm_scale=None, layer=None):
-    """`reference.causal_attention` on AMX tiles (`build.amx_unavailable` says
+def causal_attention(q, k, v, start, *, sm_scale=None, layer=None, amx=True):
+    """`reference.causal_attention` on the CPU (`build.causal_unavailable` says
     where it runs): q [T, Hq, D] at positions start.., k, v [S, Hkv, D] bf16, or
     k[layer], v[layer] of stacked [L, S, Hkv, D] read in place -> [T, Hq, D]
-    float32. Within 1e-5 of the float32 reference (its queries split into three
-    bf16 terms, its probabilities into two); a query's output does not depend on
-    the other queries in the call."""
-    why = build.amx_unavailable()
+    float32; a query's output does not depend on the other queries in the call. On
+    AMX tiles (where the CPU has them and `amx`): its queries split into three bf16
+    terms, its probabilities into two. Else on AVX-512: float32 multiply-adds.
+    Either way within 1e-5 of the float32 reference (the products exact, the sums
+    in another order)."""
+    why = build.causal_unavailable()
     if why:
         raise RuntimeError(why)
     d = q.shape[-1]
@@ -180,7 +182,7 @@ def causal_attention(q, k, v, start, *, sm_scale=None, layer=None):
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
         jnp.asarray(layer, jnp.int32), jnp.asarray(start, jnp.int32),
-        sm_scale=np.float32(scale))
+        sm_scale=np.float32(scale), amx=np.int32(bool(amx)))
 
 
 AVX512_MAX_ROWS = 16  # without AMX, the kernel's products of at most this many rows

@@ -55,8 +55,8 @@ def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) ->
 
 def _cpu_kernel_runs(implementation, why_not: str) -> bool:
     """A CPU kernel applies: `implementation` None or "cpu", the CPU backend, and
-    `cpu_kernels.build.<why_not>()` None (e.g. "amx_unavailable": a CPU and OS that
-    give AMX-BF16 tiles)."""
+    `cpu_kernels.build.<why_not>()` None (e.g. "causal_unavailable": a CPU with
+    AMX-BF16 tiles or AVX-512)."""
     if implementation not in (None, "cpu"):
         return False
     import jax
@@ -67,11 +67,11 @@ def _cpu_kernel_runs(implementation, why_not: str) -> bool:
 
 
 def resolve_prefill(implementation, head_dim: int) -> str:
-    """The exact prefill attention's implementation: "cpu", the AMX kernel
-    (cpu_kernels/causal_attention.cc), where the AMX kernels apply (`_cpu_kernel_runs`)
-    and head_dim is a multiple of 64 (at most 256); "xla"
+    """The exact prefill attention's implementation: "cpu", the kernel
+    (cpu_kernels/causal_attention.cc: on AMX tiles, or on AVX-512) where it applies
+    (`_cpu_kernel_runs`) and head_dim is a multiple of 64 (at most 256); "xla"
     (`attention.causal_prefill_attention`) otherwise."""
-    ok = (_cpu_kernel_runs(implementation, "amx_unavailable") and head_dim % 64 == 0
+    ok = (_cpu_kernel_runs(implementation, "causal_unavailable") and head_dim % 64 == 0
           and head_dim <= 256)
     return "cpu" if ok else "xla"
 

@@ -1,5 +1,6 @@
-"""The prefill's causal-attention kernel (cpu_kernels/causal_attention.cc, AMX
-tiles) against its float32 reference (cpu_kernels/reference.py).
+"""The prefill's causal-attention kernel (cpu_kernels/causal_attention.cc: AMX
+tiles, or float32 multiply-adds on AVX-512) against its float32 reference
+(cpu_kernels/reference.py), each path where the CPU has it.
 
 Adversarial shapes: odd query counts and starts (tiles of 16 queries and blocks of
 64 keys cut anywhere), fewer keys than the last query's position, GQA 1 to 8, head
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AMX, needs_amx
+from helpers import AMX, AVX512, PRODUCT_PATHS
 
 from cpu_kernels import build, ops, reference
 from hisparse_jax.config import resolve_prefill
@@ -69,73 +70,77 @@ def close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
 
 
-@needs_amx
+@pytest.mark.parametrize("amx", PRODUCT_PATHS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_the_reference(case):
+def test_matches_the_reference(case, amx):
     q, k, v = make(case)
     clean = make(case, garbage=0.0)[1:]  # the reference multiplies 0 by NaN
-    close(ops.causal_attention(q, k, v, case.start),
+    close(ops.causal_attention(q, k, v, case.start, amx=amx),
           reference.causal_attention(q, *clean, case.start))
 
 
-@needs_amx
+@pytest.mark.parametrize("amx", PRODUCT_PATHS)
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=str)
-def test_a_query_gets_the_same_output_in_any_block(case):
+def test_a_query_gets_the_same_output_in_any_block(case, amx):
     """Bitwise: the serving engine prefills a prompt block by block, `generate` in
     one program, and the two must agree."""
     q, k, v = make(case)
-    whole = np.asarray(ops.causal_attention(q, k, v, case.start))
+    whole = np.asarray(ops.causal_attention(q, k, v, case.start, amx=amx))
     cut = sorted({0, 7, 23, 24, case.queries // 2 + 1, case.queries})
-    parts = [np.asarray(ops.causal_attention(q[a:b], k, v, case.start + a))
+    parts = [np.asarray(ops.causal_attention(q[a:b], k, v, case.start + a, amx=amx))
              for a, b in itertools.pairwise(cut)]
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
-@needs_amx
-def test_in_a_jitted_program_with_a_traced_start():
+@pytest.mark.parametrize("amx", PRODUCT_PATHS)
+def test_in_a_jitted_program_with_a_traced_start(amx):
     case = CASES[0]
     q, k, v = make(case)
-    f = jax.jit(lambda q, k, v, s: ops.causal_attention(q, k, v, s))
+    f = jax.jit(lambda q, k, v, s: ops.causal_attention(q, k, v, s, amx=amx))
     np.testing.assert_array_equal(np.asarray(f(q, k, v, jnp.int32(case.start))),
-                                  np.asarray(ops.causal_attention(q, k, v, case.start)))
+                                  np.asarray(ops.causal_attention(q, k, v, case.start, amx=amx)))
 
 
-@needs_amx
+@pytest.mark.parametrize("amx", PRODUCT_PATHS)
 @pytest.mark.parametrize("layer", [0, 2])
-def test_a_layer_of_a_stack_read_in_place(layer):
+def test_a_layer_of_a_stack_read_in_place(layer, amx):
     """k[layer], v[layer] of stacked [L, S, Hkv, D] (the chunked prefill's staged
     K/V) give the layer's own output bitwise; the other layers hold NaN, so a read
     of the wrong one shows."""
     case = CASES[3]
     q, k, v = make(case)
     stack = lambda x: jnp.full((3, *x.shape), jnp.nan, x.dtype).at[layer].set(x)
-    f = jax.jit(lambda q, k, v, s, l: ops.causal_attention(q, k, v, s, layer=l))
+    f = jax.jit(lambda q, k, v, s, l: ops.causal_attention(q, k, v, s, layer=l, amx=amx))
     np.testing.assert_array_equal(
         np.asarray(f(q, stack(k), stack(v), jnp.int32(case.start), jnp.int32(layer))),
-        np.asarray(ops.causal_attention(q, k, v, case.start)))
+        np.asarray(ops.causal_attention(q, k, v, case.start, amx=amx)))
     clean = make(case, garbage=0.0)[1:]  # the reference multiplies 0 by NaN
     np.testing.assert_array_equal(
         np.asarray(reference.causal_attention(q, *map(stack, clean), case.start, layer=layer)),
         np.asarray(reference.causal_attention(q, *clean, case.start)))
 
 
-@needs_amx
-def test_a_layer_out_of_range_is_refused():
+@pytest.mark.parametrize("amx", PRODUCT_PATHS)
+def test_a_layer_out_of_range_is_refused(amx):
     case = CASES[3]
     q, k, v = make(case)
     with pytest.raises(Exception, match="layer out of range"):
-        jax.block_until_ready(ops.causal_attention(q, k[None], v[None], case.start, layer=1))
+        jax.block_until_ready(ops.causal_attention(q, k[None], v[None], case.start, layer=1,
+                                                   amx=amx))
+
+
+KERNEL = AMX or AVX512  # where the kernel runs, on one path or the other
 
 
 @pytest.mark.parametrize("implementation,head_dim,want", [
     ("xla", 64, "xla"), ("pallas", 64, "xla"), (None, 96, "xla"), (None, 320, "xla"),
-    (None, 64, "cpu" if AMX else "xla"), ("cpu", 128, "cpu" if AMX else "xla")])
+    (None, 64, "cpu" if KERNEL else "xla"), ("cpu", 128, "cpu" if KERNEL else "xla")])
 def test_which_prefill_runs(implementation, head_dim, want):
     """The kernel where it can run (the default, and with the decode kernels), XLA's
-    blocks everywhere else; a CPU without AMX says why."""
+    blocks everywhere else; a CPU with neither AMX nor AVX-512 says why."""
     assert resolve_prefill(implementation, head_dim) == want
-    why = build.amx_unavailable()
-    assert (why is None) == AMX
-    if not AMX:
-        with pytest.raises(RuntimeError, match="AMX|compiler"):
+    why = build.causal_unavailable()
+    assert (why is None) == KERNEL
+    if not KERNEL:
+        with pytest.raises(RuntimeError, match="AVX-512|compiler"):
             ops.causal_attention(*make(CASES[2]), 99)

@@ -34,8 +34,9 @@ def long_ids(model):
 @pytest.mark.parametrize("implementation", [None, "xla"])
 def test_chunked_prefill_equals_prefill(model, long_ids, attention, implementation):
     """Bit-equal, not close: the chunk program runs causal_prefill_attention's
-    online softmax block by block in the same order (XLA), or the AMX kernel, whose
-    queries do not depend on their block (the default where the CPU has AMX), and
+    online softmax block by block in the same order (XLA), or the CPU kernel, whose
+    queries do not depend on their block (the default where the CPU has AMX or
+    AVX-512), and
     the HiSparse cache is filled from the same bf16 K/V (prefill_kv). Slot 0 by
     prefill, slot 1 by prefill_chunk; then both decode the same tokens with the
     same logits."""

@@ -3,8 +3,8 @@ programs that run it: `prefill` (one slot's prompt) and `decode_step` (one token
 for every active slot).
 
 attention="hisparse": one `CacheState` per layer, stacked on a leading layer
-axis (`state.init_stacked`). Prefill attention is exact (on AMX tiles where the
-CPU has them, `cpu_kernels/causal_attention.cc`, else XLA's
+axis (`state.init_stacked`). Prefill attention is exact (on the CPU kernel where
+it runs, `cpu_kernels/causal_attention.cc`: AMX tiles or AVX-512, else XLA's
 `causal_prefill_attention`: `config.resolve_prefill`) and fills the cache
 (`state.prefill`); decode
 appends the new token in place (`state.append_layer`) and attends sparsely
@@ -141,8 +141,8 @@ def _exact_attention(q, k, v, start, chunk: int, prefill: str, layer=None):
     """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
     over k, v [S, Hkv, D] (bf16), or k[layer], v[layer] of a stack [L, S, Hkv, D]
     read where it lies (a chunked prefill's staged K/V; slicing a layer out copies
-    all of it every block) -> [C, Hq, D] float32, on the AMX kernel (prefill
-    "cpu", `config.resolve_prefill`) or in XLA (`attention.causal_query_block`, key
+    all of it every block) -> [C, Hq, D] float32, on the CPU kernel (prefill
+    "cpu", `config.resolve_prefill`: AMX tiles or AVX-512) or in XLA (`attention.causal_query_block`, key
     blocks of `chunk`, start a multiple of it, C at most `chunk`). Each query's
     output is the same whatever block it is computed in, so a prompt prefilled
     block by block gets the numbers of one program."""

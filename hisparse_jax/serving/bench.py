@@ -178,7 +178,8 @@ def _replay(args, tokenizer) -> list[Job]:
                        "(all or none)")
     if timed:  # sent in time order (a merged file may not be), from the first one's
         jobs.sort(key=lambda j: j.at)
-        jobs = [dataclasses.replace(j, at=j.at - jobs[0].at) for j in jobs]
+        t0 = jobs[0].at
+        jobs = [dataclasses.replace(j, at=j.at - t0) for j in jobs]
     return jobs[:args.num_prompts] if args.num_prompts_given else jobs
 
 
