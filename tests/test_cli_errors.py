@@ -126,6 +126,15 @@ CASES = [
     (["capacity", "--offload", "--working-set", "0"], "argument --working-set: must be >= 1.0"),
     (["capacity", "--offload", "--working-set", "0.5"], "argument --working-set: must be >= 1.0"),
     (["capacity", "--preset", "huge"], "argument --preset: invalid choice"),
+    (["generate", "--prompt", "hi", "--attention", "dense", "--budget-tokens", "512"],
+     "--budget-tokens: only --attention hisparse selects pages"),  # it was ignored
+    (["generate", "--prompt", "hi", "--stop", ""], "--stop: an empty text would stop at once"),
+    (["generate", "--prompt", "hi", "--model", "{missing_gguf}"], "nope.gguf: no such file"),
+    (["export", "--model", "llama3-8b-shapes", "{out}"],  # it ran out of memory
+     "--model llama3-8b-shapes: random weights; nothing to export"),
+    (["export", "--model", "smollm2-135m", "{text}"], "notes.txt: exists and is not an empty"),
+    (["export", "--model", "smollm2-135m", "--format", "gguf", "{text}"], "notes.txt: exists"),
+    (["fetch", "llama3-8b-shapes"], "argument name: invalid choice: 'llama3-8b-shapes'"),
 ]
 
 
@@ -135,6 +144,7 @@ def files(tmp_path):
     text.write_text("q k v\n1 2 3\n")
     (tmp_path / "latin1.txt").write_bytes("cafe\u00e9".encode("latin-1"))  # not UTF-8
     return {"npz": _npz(tmp_path), "missing": str(tmp_path / "nope.npz"), "text": str(text),
+            "missing_gguf": str(tmp_path / "nope.gguf"), "out": str(tmp_path / "out"),
             "latin1": str(tmp_path / "latin1.txt"),
             "pickled": _npz(tmp_path, "pickled.npz", extra_q=np.array([{"a": 1}], dtype=object)),
             "no_heads": _npz(tmp_path, "no_heads.npz", k=(600, 0, 32)),

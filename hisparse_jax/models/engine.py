@@ -1173,7 +1173,7 @@ class Engine:
         block by block: `prefill_chunk`, `prefill_kv`) and decode, without running
         them (XLA keeps the executables for the real calls: a 7K prompt's prefill
         would cost as much again as compiling it); returns seconds."""
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         n = prefill_length(min(prompt_len, self.max_context - 1))
         samp = self._samp(0)
         shared = None if self.cache_cfg is None else self._shared(-1, n)
@@ -1189,23 +1189,23 @@ class Engine:
                                      jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
                                      products=self.product_implementation,
                                      prefill=self.prefill_implementation).compile()
-            t = fill_length(m, self.max_context)
-            kv = [x[:, :t] for x in stage]
+            filled = fill_length(m, self.max_context)
+            kv = [x[:, :filled] for x in stage]
             if self.cache_cfg is None:
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *stage).compile()
                 _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
             else:
                 _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
-                                  jnp.int32(1), self._shared(-1, t), self.offload).compile()
+                                  jnp.int32(1), self._shared(-1, filled), self.offload).compile()
         if self.offload:
             for n in self.decode_widths():
                 _decode_offloaded.lower(
                     self.params, self.caches, self.cold, jnp.asarray(self.tokens),
                     jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool), self._samp(),
                     **self._static(), width=n, shardings=self.shardings).compile()
-            return time.perf_counter() - t
+            return time.perf_counter() - t0
         for n in self.decode_widths():
             _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
                           jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
                           self._samp(), **self._static(), n=n).compile()
-        return time.perf_counter() - t
+        return time.perf_counter() - t0

@@ -85,6 +85,31 @@ def hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     return out
 
 
+def check_target(out: str, fmt: str):
+    """ValueError where `out` cannot take an export of format `fmt` ("hf": a folder that
+    does not exist or is empty; "gguf": a file that does not exist), in a folder
+    that can be written: checked before the model loads."""
+    out = os.path.abspath(out)
+    if fmt == "hf":
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise ValueError(f"{out}: exists and is not an empty folder")
+    elif os.path.exists(out):
+        raise ValueError(f"{out}: exists")
+    parent = os.path.dirname(out)
+    while not os.path.exists(parent):  # the nearest folder that exists must take the new one
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{out}: cannot write in {parent}")
+
+
+def _public(path: str, mode: int):
+    """`path` (made private by mkdtemp / mkstemp) as a plain file or folder would be:
+    `mode` less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
 def export_hf(model: Llama, out_dir: str, tokenizer: Tokenizer | None = None) -> str:
     """Write config.json, generation_config.json, model.safetensors and (with a
     tokenizer) tokenizer.json + tokenizer_config.json to `out_dir` (which must not
@@ -92,11 +117,13 @@ def export_hf(model: Llama, out_dir: str, tokenizer: Tokenizer | None = None) ->
     from safetensors.numpy import save_file
 
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ValueError(f"{out_dir}: exists and is not an empty folder")
+    check_target(out_dir, "hf")
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    except OSError as e:  # named by the target, not by our temporary folder
+        raise ValueError(f"{out_dir}: cannot write in {parent} ({e.strerror})") from None
     try:
         c = model.cfg
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -107,6 +134,9 @@ def export_hf(model: Llama, out_dir: str, tokenizer: Tokenizer | None = None) ->
                   metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_hf(tmp, model_max_length=c.max_position)
+        for name in os.listdir(tmp):
+            _public(os.path.join(tmp, name), 0o666)
+        _public(tmp, 0o777)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.replace(tmp, out_dir)
@@ -147,8 +177,7 @@ def export_gguf(model: Llama, path: str, source: str) -> str:
     from hisparse_jax.models.gguf_loader import _File
 
     path = os.path.abspath(path)
-    if os.path.exists(path):
-        raise ValueError(f"{path}: exists")
+    check_target(path, "gguf")
     src = _File(source)
     cfg = read_config(src)
     if cfg != model.cfg:
@@ -161,8 +190,11 @@ def export_gguf(model: Llama, path: str, source: str) -> str:
         missing = sorted(set(names) ^ set(tensors))
         raise ValueError(f"{source}: tensors do not match the model's: {', '.join(missing[:4])}")
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write in {parent} ({e.strerror})") from None
     os.close(fd)
     try:
         w = gguf.GGUFWriter(tmp, arch)
@@ -188,9 +220,7 @@ def export_gguf(model: Llama, path: str, source: str) -> str:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private
+        _public(tmp, 0o666)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cpu_kernels import blocks
-from hisparse_jax.models.llama import LlamaConfig, RopeScaling
+from hisparse_jax.models.llama import LlamaConfig, RopeScaling, check_finite
 from hisparse_jax.models.tokenizer import Tokenizer
 
 # architecture -> (Q/K rows permuted by the converter, QKV bias)
@@ -231,4 +231,5 @@ def load_gguf(path: str, *, tokenizer: bool = True):
         weights["lm_head"] = f.tensor("output.weight").T.astype(bf16)
     elif (embed := f.tiles("token_embd.weight")) is not None:
         weights["quantized"]["embed"] = embed
+    check_finite(weights, path)
     return cfg, weights, tok

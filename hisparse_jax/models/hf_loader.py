@@ -11,7 +11,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from hisparse_jax.models.llama import LlamaConfig, RopeScaling
+from hisparse_jax.models.llama import LlamaConfig, RopeScaling, check_finite
 from hisparse_jax.models.tokenizer import Tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -172,6 +172,7 @@ def load_hf(path: str, *, tokenizer: bool = True):
     if not cfg.tie_embeddings:
         weights["lm_head"] = take(HF_NAMES["lm_head"])
     _check_unused(tensors, used, file_of, cfg)
+    check_finite(weights, path)
     tok = _tokenizer(path, hf_cfg) if tokenizer else None
     # Fewer tokens than embedding rows is common (HF pads the vocabulary); more
     # would index past the embedding.

