@@ -45,6 +45,30 @@ using namespace hisparse_cpu;  // NOLINT
 constexpr int64_t kKeyBlock = 64;  // keys per online-softmax step: four 16-key tiles
 constexpr int64_t kLockstep = 4;  // query heads of a group that share each key block
 
+#if defined(__AVX512F__)
+// A key block's online-softmax step before its probabilities, on either path: each
+// query's future keys hidden in S^T (rows keys, lanes queries) when the block
+// holds some, then the running maximum `m` taken over the block. Returns the new
+// maximum; *corr gets 2^(m - new), which rescales the state (exactly 1 once a
+// query's maximum has settled, as in most blocks).
+inline __m512 BlockMax(float (*sc)[16], int64_t k0, bool diagonal, __m512i posv, __m512 m,
+                       __m512* corr) {
+  if (diagonal) {
+    for (int64_t r = 0; r < kKeyBlock; ++r) {
+      const __mmask16 future =
+          _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
+      _mm512_mask_store_ps(sc[r], future, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    }
+  }
+  __m512 mx[4] = {m, m, m, m};  // four chains: max is exact in any order
+  for (int64_t r = 0; r < kKeyBlock; r += 4)
+    for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
+  const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  *corr = Exp2x16<true>(_mm512_sub_ps(m, m_new));
+  return m_new;
+}
+#endif
+
 #if HISPARSE_AMX
 // 16 floats -> bf16 bits (RNE), and those bf16 back as floats.
 inline __m256i RoundBf16(__m512 x, __m512* back) {
@@ -160,23 +184,9 @@ void QueryTile(const Shapes& s, const float* q, const uint16_t* kh, const uint16
       _tile_stored(2, sc[32], 64);
       _tile_stored(3, sc[48], 64);
       // online softmax down the columns
-      if (diagonal) {  // hide each query's future keys
-        for (int64_t r = 0; r < kKeyBlock; ++r) {
-          const __mmask16 future = _mm512_cmpgt_epi32_mask(
-              _mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
-          _mm512_mask_store_ps(sc[r], future,
-                               _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
-        }
-      }
-      __m512 mx[4] = {st.m, st.m, st.m, st.m};  // four chains: max is exact in any order
-      for (int64_t r = 0; r < kKeyBlock; r += 4)
-        for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
-      const __m512 m_new =
-          _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-      const __m512 corr = Exp2x16<true>(_mm512_sub_ps(st.m, m_new));
-      // once a query's maximum has settled (most blocks), its corr is exactly 1
+      __m512 corr;
+      const __m512 m = st.m = BlockMax(sc, k0, diagonal, posv, st.m, &corr);
       const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
-      const __m512 m = st.m = m_new;
       __m512 sum = _mm512_setzero_ps();
       const auto probabilities = [&](auto clamp) {
         for (int64_t r = 0; r < kKeyBlock; r += 2) {
@@ -289,22 +299,9 @@ void AvxQueryTile(int64_t T, int64_t Hq, int64_t D, int64_t start, int64_t kend,
         }
         for (int i = 0; i < kAvxRows; ++i) _mm512_store_ps(sc[r0 + i], a[i]);
       }
-      if (diagonal) {  // hide each query's future keys
-        for (int64_t r = 0; r < kKeyBlock; ++r) {
-          const __mmask16 future = _mm512_cmpgt_epi32_mask(
-              _mm512_set1_epi32(static_cast<int32_t>(k0 + r)), posv);
-          _mm512_mask_store_ps(sc[r], future,
-                               _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
-        }
-      }
-      __m512 mx[4] = {st.m, st.m, st.m, st.m};
-      for (int64_t r = 0; r < kKeyBlock; r += 4)
-        for (int i = 0; i < 4; ++i) mx[i] = _mm512_max_ps(mx[i], _mm512_load_ps(sc[r + i]));
-      const __m512 m_new =
-          _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-      const __m512 corr = Exp2x16<true>(_mm512_sub_ps(st.m, m_new));
+      __m512 corr;
+      const __m512 m = st.m = BlockMax(sc, k0, diagonal, posv, st.m, &corr);
       const bool rescale = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)) != 0;
-      const __m512 m = st.m = m_new;
       __m512 sum = _mm512_setzero_ps();
       const auto probabilities = [&](auto clamp) {
         for (int64_t r = 0; r < kKeyBlock; ++r) {
@@ -346,13 +343,6 @@ void AvxQueryTile(int64_t T, int64_t Hq, int64_t D, int64_t start, int64_t kend,
 }
 #endif  // __AVX512F__
 
-inline bool UseAmx(int32_t amx) {
-#if HISPARSE_AMX
-  return amx && AmxReady();
-#else
-  return false;
-#endif
-}
 
 // q [T,Hq,D] f32 (query i at position start+i); k, v [L,S,Hkv,D] bf16, of which
 // layer s32[] is read in place (a chunked prefill's staged K/V: slicing it in XLA

@@ -60,6 +60,16 @@ struct alignas(64) TileConfig {
 };
 #endif
 
+// A kernel's AMX path runs: built with AMX-BF16, asked for (`amx`, the handlers'
+// attribute: 0 takes the AVX-512 path, which AMX CPUs have too), and granted.
+inline bool UseAmx(int32_t amx) {
+#if HISPARSE_AMX
+  return amx && AmxReady();
+#else
+  return false;
+#endif
+}
+
 // body(i) for i in [0, n) on XLA's intra-op threads and the caller's. Units are
 // claimed from a shared counter, and the caller waits only for units that other
 // threads are running, so it never waits on a task the pool has not started (the

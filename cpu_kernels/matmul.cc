@@ -379,13 +379,6 @@ void AvxFewRows(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, const ui
 #endif
 
 // Whether the AMX path runs: built with it, asked for (`amx`), and granted.
-inline bool UseAmx(int32_t amx) {
-#if HISPARSE_AMX
-  return amx && AmxReady();
-#else
-  return false;
-#endif
-}
 
 // x [M, K] bf16, w [L, N, K] bf16, layer s32[] -> y [M, N] f32: y = x w[layer]^T.
 // amx 0: the AVX-512 path even where AMX runs (tests).

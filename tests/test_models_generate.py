@@ -392,7 +392,7 @@ def test_ctrl_c_ends_generate_with_one_line():
     try:
         assert proc.stdout.read(1)  # the first token streamed
         os.kill(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -24,7 +24,7 @@ BASE = ["bench", "serve", "--tokenizer", "none", "--input-len", "8", "--no-progr
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
     log = tmp_path_factory.mktemp("fake") / "fake.log"
-    with running_server([], log, 60, module="tests.fake_openai_server") as (url, proc):
+    with running_server([], log, 60, module="tests.fake_openai_server") as (url, _):
         yield url
 
 
