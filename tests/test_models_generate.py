@@ -165,6 +165,14 @@ def test_cli_generate_fetch_and_export(model, tmp_path, monkeypatch, capsys):
     plain = capsys.readouterr().out
     main([*story, "--frequency-penalty", "1.5", "--presence-penalty", "0.5"])
     assert capsys.readouterr().out != plain
+    # --prompt-file -: the prompt from standard input
+    import io
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Once upon a time")))
+    main([*story[:1], "--prompt-file", "-", *story[3:]])
+    assert capsys.readouterr().out == plain
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9")))
+    assert "--prompt-file -: not UTF-8 text (byte 0xe9 at offset 3)" in cli_error(
+        capsys, ["generate", "--prompt-file", "-"])
     main(["fetch", "smollm2-135m"])
     assert capsys.readouterr().out.strip() == str(registry.model_path("smollm2-135m"))
     long_file = tmp_path / "long.txt"

