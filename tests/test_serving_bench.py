@@ -114,21 +114,34 @@ def test_replay_sorts_its_lines_and_warms_up_on_copies(fake, tmp_path, capsys):
     assert sent == ["line 1", "line 1", "line 3", "line 2", "line 0"]
 
 
-def test_ctrl_c_reports_what_ended_and_exits_130(fake, tmp_path):
-    """SIGINT mid-run: the figures of the requests that had ended, one line on
-    stderr, exit 130, and no traceback."""
+@pytest.mark.parametrize("rate", ["inf", "0.5"])
+def test_ctrl_c_reports_what_ended_and_exits_130(fake, tmp_path, rate):
+    """SIGINT mid-run, while the requests stream (rate inf) or while the next one
+    waits to be sent (0.5/s): the figures of the requests that had ended (none),
+    no request counted as failed by its cut connection, one line on stderr, exit
+    130, no traceback."""
+    import httpx
     out = tmp_path / "rows.jsonl"
+    before = len(httpx.get(fake + "/requests").json())
     proc = subprocess.Popen(
         [sys.executable, "-m", "hisparse_jax.cli", *BASE, "--base-url", fake, "--model",
-         "ok:itl=0.5", "--num-prompts", "3", "--output-len", "40", "--max-concurrency", "1",
+         "ok:itl=0.5", "--num-prompts", "3", "--output-len", "40", "--request-rate", rate,
          "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)  # the interpreter and the first request's send, not its end (20 s)
-    os.kill(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while len(httpx.get(fake + "/requests").json()) == before:  # the first one sent
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1)
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted, 0 of 3 requests had ended" in stderr
     row = strict_json(out.read_text().splitlines()[-1])
-    assert row["interrupted"] is True and row["not_ended"] == 3
+    assert row["interrupted"] is True and row["not_ended"] == 3 and row["failed"] == 0
     assert "interrupted" in stdout
 
 

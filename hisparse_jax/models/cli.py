@@ -40,6 +40,8 @@ def main_fetch(args):
     from hisparse_jax.models.registry import fetch
     try:
         print(fetch(args.name, verify=True))
+    except BrokenPipeError:  # the reader left: cli.main ends quietly
+        raise
     except (ValueError, OSError) as e:
         _fail("fetch", e)
 
@@ -165,6 +167,8 @@ def main_export(args):
         else:
             model, tok = load(args.model)
             print(export_hf(model, args.out, tok))
+    except BrokenPipeError:
+        raise
     except (ValueError, OSError) as e:
         _fail("export", e)
 

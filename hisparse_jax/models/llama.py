@@ -384,7 +384,8 @@ def check_finite(weights: dict[str, Any], where: str):
     named = [(k, v) for k, v in weights.items() if k not in ("layers", "quantized")]
     named += [(f"layers.{k}", v) for k, v in weights.get("layers", {}).items()]
     for name, x in named:
-        if not np.isfinite(x).all():
+        # layer by layer: a stacked 8B matrix's mask alone would take 2 GB
+        if not all(np.isfinite(part).all() for part in (x if x.ndim == 3 else [x])):
             raise ValueError(f"{where}: weight {name} holds NaN or inf (a damaged file?)")
 
 

