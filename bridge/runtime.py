@@ -610,15 +610,15 @@ class LayerCache:
         ids = np.zeros(self.cfg.max_pages, np.int32)
         ids[:len(r.prefill_ids)] = r.prefill_ids
         self.stacked = prefill_at(self.cfg, self.stacked, jnp.int32(r.slot), kbuf, vbuf,
-                                jnp.int32(r.ctx), jnp.asarray(ids),
-                                jnp.int32(len(r.prefill_ids)))
+                                  jnp.int32(r.ctx), jnp.asarray(ids),
+                                  jnp.int32(len(r.prefill_ids)))
 
     def _decode(self, q, k, v, slots, ids, n_ids):
         # only the slots up to the highest listed one (SlotTable takes the lowest free)
         width = st.decode_width(self.cfg.max_seqs, int(np.max(slots)) + 1)
         out, self.stacked = decode_rows(self.cfg, self.stacked, q, k, v, jnp.asarray(slots),
-                                      jnp.asarray(ids), jnp.int32(n_ids), self.q_scale,
-                                      width=width)
+                                        jnp.asarray(ids), jnp.int32(n_ids), self.q_scale,
+                                        width=width)
         return out
 
     # -- a whole step

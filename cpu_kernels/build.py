@@ -143,6 +143,12 @@ def causal_unavailable() -> str | None:
     return None if _causal[0] else "this CPU has neither AMX-BF16 tiles nor AVX-512"
 
 
+def causal_path() -> str:
+    """Where the causal-attention kernel runs here (`causal_unavailable` None): "AMX
+    tiles" or "AVX-512"."""
+    return "AMX tiles" if amx_unavailable() is None else "AVX-512"
+
+
 def unsupported(head_dim: int, group: int) -> str | None:
     """Why the kernels cannot take these shapes (None if they can); the limits of
     their fixed-size buffers (`kMaxDim`, `kMaxGroup`)."""

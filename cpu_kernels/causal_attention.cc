@@ -421,8 +421,8 @@ ffi::Error CausalAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   }
 #if defined(__AVX512F__)
   // Each KV head's keys and values [keys, D] as floats, zero past kend
-  // (not zero-filled first: every row below is written, one core would spend ~50 ms
-  // a call clearing them at 32K keys)
+  // (not zero-filled first: every row is written below, by all threads; clearing them
+  // first would be a pass over them on one)
   std::unique_ptr<float[]> kf(new float[Hkv * keys * D]), vf(new float[Hkv * keys * D]);
   ParallelFor(pool, Hkv * nkb, [&](int64_t u) {
     const int64_t hk = u / nkb, j0 = (u % nkb) * kKeyBlock;

@@ -164,6 +164,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def interrupted_cli(argv, ready, timeout: float = 120) -> tuple[int, str, str]:
+    """`python -m hisparse_jax.cli ARGV`, sent SIGINT once `ready(proc)` returns (it
+    may read the process's stdout, or poll something else, within its own bound);
+    returns its exit code and the rest of its output. Killed by its PID if it still
+    runs at the end, whatever happened."""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.cli", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready(proc)
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def running_server(args, log, start_s: float, python: str | None = None,
                    module: str = "hisparse_jax.serving"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.generate import TextStream, generate, prompt_ids
 from hisparse_jax.models.prompts import passkey
 from hisparse_jax.models.sampling import SamplingParams
-from tests.helpers import cli_error
+from tests.helpers import cli_error, interrupted_cli
 
 FRANCE = "What is the capital of France?"
 
@@ -393,17 +392,11 @@ def test_cli_keeps_compiled_programs_beside_the_models(model, tmp_path):
 def test_ctrl_c_ends_generate_with_one_line():
     """SIGINT while tokens stream: what came is kept, then one line on stderr and
     exit 130 (it was a traceback and exit -2)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hisparse_jax.cli", "generate", "--prompt", "Once upon a time",
-         "--max-tokens", "2000", "--max-context", "2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.read(1)  # the first token streamed
-        os.kill(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    def first_token(proc):
+        assert proc.stdout.read(1)
+    code, _, stderr = interrupted_cli(["generate", "--prompt", "Once upon a time",
+                                       "--max-tokens", "2000", "--max-context", "2048"],
+                                      first_token)
+    assert code == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.rstrip().splitlines()[-1] == "hisparse generate: interrupted"

@@ -6,14 +6,10 @@ is tested in test_serving_api.py."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import cli_error, running_server
+from helpers import cli_error, interrupted_cli, running_server
 
 from hisparse_jax.cli import main
 
@@ -123,22 +119,16 @@ def test_ctrl_c_reports_what_ended_and_exits_130(fake, tmp_path, rate):
     import httpx
     out = tmp_path / "rows.jsonl"
     before = len(httpx.get(fake + "/requests").json())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hisparse_jax.cli", *BASE, "--base-url", fake, "--model",
-         "ok:itl=0.5", "--num-prompts", "3", "--output-len", "40", "--request-rate", rate,
-         "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    def first_request_sent(proc):
         deadline = time.monotonic() + 120
-        while len(httpx.get(fake + "/requests").json()) == before:  # the first one sent
+        while len(httpx.get(fake + "/requests").json()) == before:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         time.sleep(1)
-        os.kill(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    code, stdout, stderr = interrupted_cli(
+        [*BASE, "--base-url", fake, "--model", "ok:itl=0.5", "--num-prompts", "3",
+         "--output-len", "40", "--request-rate", rate, "--json", str(out)], first_request_sent)
+    assert code == 130, stderr
     assert "Traceback" not in stderr and "interrupted, 0 of 3 requests had ended" in stderr
     row = strict_json(out.read_text().splitlines()[-1])
     assert row["interrupted"] is True and row["not_ended"] == 3 and row["failed"] == 0

@@ -91,7 +91,7 @@ def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: 
             else None,
             "implementation": resolve_implementation(implementation, engine.cache_cfg)
             if attention == "hisparse" else None,
-            "prefill": engine.prefill_implementation,  # the exact attention's: "cpu" = AMX
+            "prefill": engine.prefill_implementation,  # the exact attention's: "cpu" = the kernel (AMX or AVX-512)
             "prefill_tok_s": round(context / prefill_s, 1),
             "fill_s": round(fill_s, 1),
             "decode_tok_s": round(batch * decode / (t3 - t2), 2),

@@ -85,7 +85,10 @@ def build_state(cfg):
                         "with fault_nan_kv_after): for tests only", name)
         kernels = ("" if engine.cache_cfg is None else
                    f", {resolve_implementation(engine.implementation, engine.cache_cfg)} kernels")
-        prefill = "AMX kernel" if engine.prefill_implementation == "cpu" else "XLA"
+        prefill = "XLA"
+        if engine.prefill_implementation == "cpu":
+            from cpu_kernels.build import causal_path
+            prefill = f"the CPU kernel, {causal_path()}"
         log.info("%s: compiling (%s attention%s; exact prefill on %s) ...", name,
                  cfg.attention, kernels, prefill)
         log.info("%s: compiled in %.1f s", name, engine.warmup())
