@@ -38,15 +38,17 @@ def run(capsys, *argv) -> dict:
 
 def test_timings_of_a_known_stream(fake, capsys):
     """First chunk after 300 ms, then one every 60 ms, 8 tokens: TTFT, ITL and TPOT
-    as sent (a loaded 2-core machine adds its own delays: bounds, not equality);
-    the default rate is written as the string "inf" (JSON has no Infinity)."""
+    as sent (a loaded 2-core machine adds its own delays: bounds, not equality;
+    an interval can also come out a little under 60 ms where the chunk before it
+    arrived late: a median of 59.89 ms was seen); the default rate is written as
+    the string "inf" (JSON has no Infinity)."""
     row = run(capsys, "--base-url", fake, "--model", "ok:ttft=0.3:itl=0.06",
               "--num-prompts", "2", "--output-len", "8")
     assert row["completed"] == 2 and row["request_rate"] == "inf"
     assert row["token_counts"] == "usage" and row["output_tokens"] == 16
     assert 300 <= row["ttft_ms"]["median"] < 600
     for k in ("itl_ms", "tpot_ms"):
-        assert 60 <= row[k]["median"] < 120, (k, row[k])
+        assert 54 <= row[k]["median"] < 120, (k, row[k])  # within 10% below
 
 
 def test_a_server_without_usage_is_counted_in_chunks_and_says_so(fake, capsys):
