@@ -37,7 +37,7 @@ from sharp_heads import compare, config_overrides, summarize
 
 from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.config import PRESETS, preset
-from hisparse_jax.evaluation import config_for
+from hisparse_jax.harness.evaluation import config_for
 from hisparse_jax.models.prompts import FILLER, INTRO, QUESTION, needle
 
 CHUNK = 512

@@ -42,7 +42,7 @@ from flax import nnx
 
 from cpu_kernels import build as cpu_build
 from hisparse_jax import attention as att
-from hisparse_jax import state as st
+from hisparse_jax.cache import state as st
 from hisparse_jax.config import resolve_products
 from hisparse_jax.models import engine as eng
 from hisparse_jax.models.llama import Llama

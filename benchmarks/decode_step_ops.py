@@ -30,7 +30,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={D
 import jax
 import numpy as np
 
-from hisparse_jax.models.bench import prompt
+from hisparse_jax.harness.generate_bench import prompt
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.registry import load
 

@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from hisparse_jax import scheduler
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.registry import load
+from hisparse_jax.offload import policy as scheduler
 
 TEXT = ("The lighthouse keeper wrote down the weather, the ships that passed and the birds "
         "he saw each morning; on the last page of the third book he noted where the key "

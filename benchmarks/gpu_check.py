@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.bench_kernels import (  # shared with `hisparse bench kernels`
+from hisparse_jax.harness.kernel_bench import (  # shared with `hisparse bench kernels`
     DECODE_ARGS,
     PEAK_BYTES_PER_S,
     make_case,
@@ -82,7 +82,7 @@ def shape_set(dry_run: bool):
                 "value_group": 32}
 
 
-# Inputs (make_case) and the byte model (op_bytes) live in hisparse_jax.bench_kernels.
+# Inputs (make_case) and the byte model (op_bytes) live in hisparse_jax.harness.kernel_bench.
 _IMPL_OPS = {"dense_bf16": "dense", "sparse_xla": "step", "sparse_pallas": "step",
              "lookup_pallas": "lookup", "decode_pallas": "sparse_decode"}
 
@@ -225,9 +225,9 @@ def offload_check(interpret):
     """The offload path on this backend: host pool in pinned_host memory, host-side
     gather/scatter, copies to the device; outputs must equal the all-resident
     cache's bit for bit over a few decode steps with appends."""
-    from hisparse_jax.cache import HiSparseCache
+    from hisparse_jax.cache.handle import HiSparseCache
     from hisparse_jax.config import HiSparseConfig
-    from hisparse_jax.offload import OffloadedCache
+    from hisparse_jax.offload.store import OffloadedCache
     impl = "xla" if interpret else "pallas"
     cfg = HiSparseConfig(num_kv_heads=2, head_dim=64, max_context=4096, max_seqs=2,
                          budget_tokens=256)

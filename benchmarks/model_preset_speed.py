@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from hisparse_jax.config import preset
-from hisparse_jax.models.bench import fill_slots, prompt
+from hisparse_jax.harness.generate_bench import fill_slots, prompt
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.registry import load
 

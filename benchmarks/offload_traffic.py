@@ -16,10 +16,10 @@ import json
 
 import numpy as np
 
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import preset
-from hisparse_jax.offload import OffloadedCache
-from hisparse_jax.workloads import make_workload
+from hisparse_jax.harness.workloads import make_workload
+from hisparse_jax.offload.store import OffloadedCache
 
 
 def main():

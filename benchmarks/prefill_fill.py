@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import state as st
+from hisparse_jax.cache import state as st
+from hisparse_jax.harness.generate_bench import prompt
 from hisparse_jax.models import engine as eng
-from hisparse_jax.models.bench import prompt
 from hisparse_jax.models.registry import load
 
 

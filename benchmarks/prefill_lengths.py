@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from hisparse_jax.models.bench import prompt
+from hisparse_jax.harness.generate_bench import prompt
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.registry import load
 

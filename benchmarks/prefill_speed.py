@@ -28,7 +28,7 @@ from prefill_attention_variants import old_layout
 from cpu_kernels import build
 from cpu_kernels import ops as cpu_ops
 from hisparse_jax.attention import causal_prefill_attention
-from hisparse_jax.models.bench import prompt
+from hisparse_jax.harness.generate_bench import prompt
 from hisparse_jax.models.registry import load
 
 

@@ -12,8 +12,8 @@ import json
 import numpy as np
 
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.evaluation import evaluate
-from hisparse_jax.workloads import HEAD_KINDS, make_workload
+from hisparse_jax.harness.evaluation import evaluate
+from hisparse_jax.harness.workloads import HEAD_KINDS, make_workload
 
 
 def main():

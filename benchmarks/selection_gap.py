@@ -34,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import attention
-from hisparse_jax.bench import _time_interleaved, random_decode_case
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.attention import selection
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import HiSparseConfig, preset
-from hisparse_jax.evaluation import ExactMass, config_for
-from hisparse_jax.workloads import CONCENTRATED, HEAD_KINDS, make_workload
+from hisparse_jax.harness.attention_bench import _time_interleaved, random_decode_case
+from hisparse_jax.harness.evaluation import ExactMass, config_for
+from hisparse_jax.harness.workloads import CONCENTRATED, HEAD_KINDS, make_workload
 from pallas_kernels.lookup import reference as lookup_ref
 
 SHIPPED_SCORES = lookup_ref.page_scores
@@ -75,7 +76,7 @@ def select_each(cfg, state, q):
         if cfg.candidate_pages > cfg.budget_pages:
             return attention.decode_attention(cfg, st, qi, implementation="xla",
                                               return_selection=True)[1]
-        return attention._select(cfg, st, qi, "xla")[0]
+        return selection._select(cfg, st, qi, "xla")[0]
     pick = jax.jit(pick)
     return np.stack([np.asarray(pick(state, jnp.asarray(q[i:i + 1]))[0])
                      for i in range(q.shape[0])])

@@ -15,8 +15,8 @@ import numpy as np
 
 from hisparse_jax import attention
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.evaluation import evaluate, needle_pages_hit, needles_found
-from hisparse_jax.workloads import CONCENTRATED, make_workload
+from hisparse_jax.harness.evaluation import evaluate, needle_pages_hit, needles_found
+from hisparse_jax.harness.workloads import CONCENTRATED, make_workload
 
 
 def main():

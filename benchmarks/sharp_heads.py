@@ -25,17 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import attention
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import PRESETS, HiSparseConfig, preset
-from hisparse_jax.evaluation import ExactMass, config_for
-from hisparse_jax.workloads import make_sharp_workload
+from hisparse_jax.harness.evaluation import ExactMass, config_for
+from hisparse_jax.harness.workloads import make_sharp_workload
 
 SHARP_MASS = 0.5
 
 
 def cold_pages(cfg: HiSparseConfig, s: int) -> np.ndarray:
     """[P] bool: the pages of an s-token sequence that are selection candidates."""
-    from hisparse_jax.evaluation import always_attended
+    from hisparse_jax.harness.evaluation import always_attended
     pg = cfg.page_size
     npg = -(-s // pg)
     always = np.pad(always_attended(cfg, s), (0, npg * pg - s), constant_values=True)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax import attention
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import preset
 from pallas_kernels.lookup import reference as lookup_ref
 

@@ -2,10 +2,10 @@
 `hisparse bench attention` times it (random K/V, default preset, each step right
 after a dense call), all calls interleaved in one process:
 
-    git show HEAD:hisparse_jax/attention.py > attention_before.py
+    git show HEAD:hisparse_jax/attention/selection.py > attention_before.py
     python benchmarks/time_selection.py --context 131072 --repeats 15 --baseline attention_before.py
 
---baseline is a copy of hisparse_jax/attention.py from before a change; without it,
+--baseline is a copy of hisparse_jax/attention/selection.py from before a change; without it,
 peak_pages=0 (the sharp-head candidates off) stands in for it. --before-set gives
 the before step its own config fields (a changed default, e.g. rerank_multiple=1.25).
 """
@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 from hisparse_jax import attention
-from hisparse_jax.bench import _time_interleaved, random_decode_case
 from hisparse_jax.config import preset
+from hisparse_jax.harness.attention_bench import _time_interleaved, random_decode_case
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharp_heads import config_overrides

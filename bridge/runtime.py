@@ -18,7 +18,7 @@ How vLLM's requests map onto HiSparse (docs/vllm.md, "Requests and slots"):
   exact (bf16) in a staging buffer owned by the layer, and each prefill chunk
   attends the staged prefix and itself causally (`prefix_attention`).
 - The first decode step converts: the staged prompt becomes the slot's HiSparse
-  state (`hisparse_jax.state.prefill_layer`, every page straight to its tier), the
+  state (`hisparse_jax.cache.state.prefill_layer`, every page straight to its tier), the
   staging buffer is dropped, and from then on the slot appends one token per
   step and decodes sparsely (`attention.decode_layer`), all written in place in
   the layer's one-layer stacked state (`state.init_stacked`), as the serving
@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import layout
-from hisparse_jax import state as st
 from hisparse_jax.attention import causal_prefill_attention, decode_layer
+from hisparse_jax.cache import layout
+from hisparse_jax.cache import state as st
 from hisparse_jax.config import (
     FULL_BUDGET,
     HiSparseConfig,

@@ -10,7 +10,7 @@ What runs where (see docs/vllm.md):
   (sparse), and at which pool pages (vLLM's block ids) new cold pages go.
 - The impl, once per layer, hands the step's q/k/v to JAX through DLPack
   (`bridge.dlpack`, zero-copy) and runs `runtime.LayerCache.step`; JAX owns the
-  compressed cache (a `hisparse_jax.state.CacheState` per layer). The results are
+  compressed cache (a `hisparse_jax.cache.state.CacheState` per layer). The results are
   written into vLLM's preallocated `output`.
 - vLLM's own KV tensor is never read. `customize_spec` sizes vLLM's block pool
   with HiSparse's bytes per token (so vLLM's "KV cache size: N tokens" shows the
@@ -175,7 +175,7 @@ class _Bridge:
         if self.logged or not num_blocks:
             return
         self.logged = True
-        from hisparse_jax import layout
+        from hisparse_jax.cache import layout
         cfg, num_layers = self.base.replace(num_pool_pages=int(num_blocks)), self.num_layers or 1
         per = self.content_bytes or rt.vllm_content_bytes(cfg)
         bf16 = 2 * cfg.head_dim * 2

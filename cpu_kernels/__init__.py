@@ -6,7 +6,7 @@ pure-jnp reference of the same signature.
   (sequence, KV head)'s pages in one loop. References in pallas_kernels/.
 - `selection.cc`: the decode step's page selection and re-rank (the page scores,
   the candidate lists, the tail sample, the re-rank with its Quest floor), the
-  same pages as the XLA path's (hisparse_jax/attention.py).
+  same pages as the XLA path's (hisparse_jax/attention/selection.py).
 - `causal_attention.cc`: the exact causal attention of the prefill on AMX tiles
   (Intel Xeon since Sapphire Rapids), float32-exact by splitting its bf16
   operands. XLA:CPU writes out every score of its float32 blocks. Reference in

@@ -99,7 +99,7 @@ def page_scores(q, digest_center, digest_radius, page_table, layer=None):
 
 
 def rank_pages(bound, ranked, page_table, lead, *, per_head, k, quest):
-    """`attention._rank`'s candidates from its scores, the same pages as XLA's:
+    """`attention.selection._rank`'s candidates from its scores, the same pages as XLA's:
     bound [B, Hkv, G, N] and ranked [B, Hkv, N] (the stickiness bonus added),
     page_table [B, N], lead [B, Hkv] (how many of plain Quest's top pages lead the
     group; read if `quest`) -> [B, Hkv, k] int32 logical pages in page order, -1

@@ -1,8 +1,8 @@
 """Capacity planner: how many bytes a model's HiSparse KV cache needs, per tier,
 on the device and on the host, and how many sequences fit in a device budget.
 
-Everything is composed from `hisparse_jax.layout` (one layer's bytes) and, in
-offload mode, `hisparse_jax.scheduler.working_set_bytes` (the resident cold-page
+Everything is composed from `hisparse_jax.cache.layout` (one layer's bytes) and, in
+offload mode, `hisparse_jax.offload.policy.working_set_bytes` (the resident cold-page
 working set and its bookkeeping). Nothing here repeats the per-array arithmetic.
 
 Offload mode (DESIGN §2.3): the int4 codes and value scales of cold pages live
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from hisparse_jax import layout
+from hisparse_jax.cache import layout
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.config import preset as get_preset
 from hisparse_jax.validate import check_number, check_working_set, is_int
@@ -163,7 +163,7 @@ def plan(model: ModelShape | str, context: int, device_memory_bytes: int | None 
     host = 0
     ws_pages = 0
     if offload:
-        from hisparse_jax.scheduler import working_set_bytes
+        from hisparse_jax.offload.policy import working_set_bytes
         ws_pages = working_set_pages_for(cfg, working_set_multiple, working_set_pages)
         n_cold = cold_codes // layout.per_page_cold_bytes(cfg)[0]
         ws_pages = max(0, min(ws_pages, n_cold))  # never more than the sequence has

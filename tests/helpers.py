@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax.state import slot_positions
+from hisparse_jax.cache.state import slot_positions
 from pallas_kernels.quant import (
     decode_cold_keys,
     decode_cold_values,

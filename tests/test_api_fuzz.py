@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hisparse_jax.cache import CacheFullError, HiSparseCache
+from hisparse_jax.cache.handle import CacheFullError, HiSparseCache
+from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.offload import OffloadedCache
-from hisparse_jax.prefix import PrefixIndex
+from hisparse_jax.offload.store import OffloadedCache
 from tests.helpers import assert_same_snapshot, cache_snapshot, check_page_accounting
 
 CFG = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=32, page_size=16, max_context=512,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax import attention as att
-from hisparse_jax import state as st
+from hisparse_jax.cache import state as st
 from hisparse_jax.config import preset
 
 MAX_SEQS = 16

@@ -9,8 +9,8 @@ import math
 import jax
 import pytest
 
-from hisparse_jax import bench_kernels as bk
 from hisparse_jax.cli import main
+from hisparse_jax.harness import kernel_bench as bk
 from tests.helpers import cli_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

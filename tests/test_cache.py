@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from hisparse_jax.cache import CacheFullError, HiSparseCache
+from hisparse_jax.cache.handle import CacheFullError, HiSparseCache
+from hisparse_jax.cache.layout import nbytes, state_bytes
+from hisparse_jax.cache.state import init_state, slot_positions
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
-from hisparse_jax.layout import nbytes, state_bytes
-from hisparse_jax.state import init_state, slot_positions
 from tests.helpers import dense, dequantized_kv
 
 SMALL = {"num_kv_heads": 2, "head_dim": 64, "max_context": 2048, "max_seqs": 2,
@@ -69,8 +69,8 @@ def test_bytes_accounting_counts_every_array():
 
 
 def test_capacity_at_1m_default_preset():
+    from hisparse_jax.cache.layout import capacity_report
     from hisparse_jax.config import preset
-    from hisparse_jax.layout import capacity_report
     rep = capacity_report(preset("llama3-8b-1m"), 1 << 20)
     assert rep["capacity_vs_bf16"] >= 2.8
     assert rep["bf16_bytes_per_token"] > 512  # page table counted for the baseline too
@@ -171,7 +171,7 @@ def test_constant_keys_have_zero_range_and_finite_output(implementation):
 def test_build_logs_capacity_line_from_layout(caplog):
     import logging
 
-    from hisparse_jax.layout import bf16_paged_bytes
+    from hisparse_jax.cache.layout import bf16_paged_bytes
     cfg = HiSparseConfig(max_context=65536, max_seqs=2)
     with caplog.at_level(logging.INFO, logger="hisparse"):
         HiSparseCache(cfg)

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from hisparse_jax import capacity as cap
-from hisparse_jax import layout
-from hisparse_jax import scheduler as sc
+from hisparse_jax.cache import layout
 from hisparse_jax.cli.args import CLIError
 from hisparse_jax.cli.capacity import add_capacity_parser
+from hisparse_jax.offload import policy as sc
 
 M = 1 << 20
 
@@ -60,7 +60,7 @@ def test_offload_moves_codes_to_host_and_counts_working_set():
     big = cap.plan("llama3-8b", M, offload=True, working_set_multiple=4)
     assert big["device_bytes"] > off["device_bytes"]
     small = cap.plan("llama3-8b", 4096, offload=True, working_set_multiple=100)
-    from hisparse_jax.state import num_cold_pages
+    from hisparse_jax.cache.state import num_cold_pages
     assert small["working_set_pages_per_seq_head"] == num_cold_pages(
         cap.layer_config("llama3-8b", 4096), 4096)
 

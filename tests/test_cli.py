@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax.cli import main
-from hisparse_jax.workloads import make_workload
+from hisparse_jax.harness.workloads import make_workload
 from tests.helpers import cli_error
 
 JSON_KEYS = {"recall_mean", "recall_p5", "rel_error_mean", "rel_error_p95",

@@ -62,7 +62,7 @@ def test_resolve_implementation(monkeypatch, backend, d, implementation, want):
 
 @pytest.mark.parametrize("d", [96, 80, 16])
 def test_pallas_refuses_shapes_it_cannot_tile(d):
-    from hisparse_jax.cache import HiSparseCache
+    from hisparse_jax.cache.handle import HiSparseCache
     msg = "head_dim must be a power of two >= 32"
     cfg = HiSparseConfig(head_dim=d, value_group=8, max_context=1024)
     with pytest.raises(ValueError, match=msg):

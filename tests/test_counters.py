@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import state as st
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache import state as st
+from hisparse_jax.cache.handle import HiSparseCache
+from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.offload import OffloadedCache
-from hisparse_jax.prefix import PrefixIndex
+from hisparse_jax.offload.store import OffloadedCache
 
 CFG = HiSparseConfig(num_kv_heads=1, head_dim=64, gqa_group=1, max_context=2048, max_seqs=4,
                      budget_tokens=64)

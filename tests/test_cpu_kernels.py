@@ -202,7 +202,7 @@ def test_decode_attention_cpu_matches_xla(budget, rerank):
     selected, outputs within the kernels' tolerance (the re-rank path, the
     every-candidate path, and a budget past the context)."""
     from hisparse_jax import attention as att
-    from hisparse_jax import state as st
+    from hisparse_jax.cache import state as st
     cfg = HiSparseConfig(num_kv_heads=3, gqa_group=3, head_dim=64, max_context=3072, max_seqs=3,
                          budget_tokens=budget, rerank_multiple=rerank)
     rng = np.random.default_rng(0)

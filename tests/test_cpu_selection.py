@@ -27,7 +27,8 @@ import pytest
 
 from cpu_kernels import build, ops
 from hisparse_jax import attention as att
-from hisparse_jax import state as st
+from hisparse_jax.attention import selection
+from hisparse_jax.cache import state as st
 from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.lookup import reference as lookup_ref
 from tests.test_kernels import LOOKUP_CASES, LookupCase, make_lookup
@@ -128,8 +129,8 @@ def test_rank_pages_picks_the_same_pages_as_xla(name):
     cfg = RANK_CONFIGS[name]
     for seed in range(6):
         s, bound, mass = _rank_case(cfg, seed)
-        want = np.asarray(att._rank(cfg, s, bound, mass, "xla"))
-        got = np.asarray(att._rank(cfg, s, bound, mass, "cpu"))
+        want = np.asarray(selection._rank(cfg, s, bound, mass, "xla"))
+        got = np.asarray(selection._rank(cfg, s, bound, mass, "cpu"))
         np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
         assert (want[0] >= 0).sum() > 0 and (want[3] == -1).all()
 
@@ -143,8 +144,8 @@ def test_rank_pages_ties_at_the_edge_go_to_the_lower_index():
     bound = jnp.broadcast_to(jnp.where(ok[:, None, None], 1.0, -jnp.inf), bound.shape)
     mass = jnp.broadcast_to(jnp.where(ok[:, None], 0.0, -jnp.inf), mass.shape)
     s = s.replace(last_selected=jnp.zeros_like(s.last_selected))
-    got = np.asarray(att._rank(cfg, s, bound, mass, "cpu"))
-    np.testing.assert_array_equal(got, np.asarray(att._rank(cfg, s, bound, mass, "xla")))
+    got = np.asarray(selection._rank(cfg, s, bound, mass, "cpu"))
+    np.testing.assert_array_equal(got, np.asarray(selection._rank(cfg, s, bound, mass, "xla")))
     # table[0, 3] is a hole
     np.testing.assert_array_equal(got[0, 0], np.delete(np.arange(got.shape[-1] + 1), 3))
 
@@ -245,7 +246,7 @@ def test_rerank_keeps_the_pages_xla_keeps(floor, weight, sharp):
         want = att.rerank(cfg, logits, lens, bound=bound if floor < 1 else None,
                           window_lse=wl)
         got = ops.rerank(raw, cand, wl, q, int4_k, center, radius,
-                         att._offsets(cfg, lens, att._RERANK_KEY, (cand.shape[1],)),
+                         selection._offsets(cfg, lens, selection._RERANK_KEY, (cand.shape[1],)),
                          k=min(cfg.budget_pages, c), m=cfg.rerank_samples, sm_scale=scale,
                          floor=floor, slack=att.QUEST_FLOOR_SLACK,
                          uniform_share=att.TAIL_UNIFORM_SHARE, mass_weight=weight == "mass")
@@ -288,7 +289,7 @@ def test_rerank_floor_keeps_a_sharp_heads_residual_mass(seed):
     kept = {}
     for floor in (cfg.quest_floor_mass, 1.0):
         got = ops.rerank(logits / scale, slots, window, jnp.asarray(q), *pool,
-                         att._offsets(cfg, lens, att._RERANK_KEY, (1,)), k=31,
+                         selection._offsets(cfg, lens, selection._RERANK_KEY, (1,)), k=31,
                          m=cfg.rerank_samples, sm_scale=scale, floor=floor,
                          slack=att.QUEST_FLOOR_SLACK, uniform_share=att.TAIL_UNIFORM_SHARE,
                          mass_weight=False)

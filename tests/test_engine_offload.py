@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
-from hisparse_jax import capacity, scheduler
-from hisparse_jax import state as st
+from hisparse_jax import capacity
+from hisparse_jax.cache import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, _decode_offloaded
+from hisparse_jax.offload import policy as scheduler
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
-from hisparse_jax import state as st
-from hisparse_jax.cache import CacheFullError
+from hisparse_jax.cache import state as st
+from hisparse_jax.cache.handle import CacheFullError
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.llama import Llama, LlamaConfig, random_weights
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.evaluation import ExactMass, always_attended, config_for
+from hisparse_jax.harness.evaluation import ExactMass, always_attended, config_for
 
 # (context, KV heads, GQA group, head_dim): odd lengths, several GQA ratios.
 CASES = [(1000, 2, 1, 32), (2053, 1, 8, 64), (3001, 2, 4, 64), (600, 3, 2, 32)]
@@ -76,8 +76,8 @@ def test_evaluate_reads_float16_and_float64_inputs_exactly():
     """float16 captures stay float16 on the host (half the memory); float16 -> float32
     is exact, so the result equals that of the same values passed as float32.
     float64 is accepted too (read as float32)."""
-    from hisparse_jax.evaluation import evaluate
-    from hisparse_jax.workloads import make_workload
+    from hisparse_jax.harness.evaluation import evaluate
+    from hisparse_jax.harness.workloads import make_workload
     w = make_workload(context=2000, num_kv_heads=2, gqa_group=2, head_dim=64, num_queries=2,
                       seed=4)
     k16, v16 = w.k.astype(np.float16), w.v.astype(np.float16)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import HiSparseConfig
 
 

@@ -367,9 +367,9 @@ def test_sparse_decode_cross_lowers_for_h200(page, head_dim, group):
 
 
 def test_attention_uses_these_kernels():
-    from hisparse_jax import attention
+    from hisparse_jax.attention import selection
     from hisparse_jax.config import HiSparseConfig
-    scores, decode = attention._ops("pallas", HiSparseConfig())
+    scores, decode = selection._ops("pallas", HiSparseConfig())
     assert scores is lookup_kernel.page_scores
     assert decode is decode_kernel.sparse_decode
 

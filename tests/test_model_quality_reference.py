@@ -13,7 +13,7 @@ import pytest
 
 from hisparse_jax.attention import causal_prefill_attention
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.evaluation import always_attended
+from hisparse_jax.harness.evaluation import always_attended
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(

@@ -136,7 +136,7 @@ def test_passkey_through_sparse_selection(model):
     """A ~1K-token passkey prompt with the needle in the cold tier (int4, pages
     chosen by selection) and a budget of 4 of its ~27 cold pages: HiSparse still
     retrieves it."""
-    from hisparse_jax.state import num_cold_pages
+    from hisparse_jax.cache.state import num_cold_pages
     m, tok = model
     text = passkey(36, 0.3, 68294)
     ids = tok.encode(text)
@@ -304,7 +304,7 @@ def test_prefill_kv_and_teacher_forcing_equal_prefill(model):
 def test_demo_answers_side_by_side(model, capsys):
     """`hisparse demo` on a short prompt: the table has the three caches, dense and
     HiSparse find the key, and HiSparse's bytes are below dense's."""
-    from hisparse_jax.models.demo import run_demo
+    from hisparse_jax.harness.passkey_demo import run_demo
     out = run_demo(tokens=640, depth=0.3, key=31337, budget_tokens=64, log=lambda m: None)
     rows = out["rows"]
     assert list(rows) == ["dense", "hisparse", "sink+window"]
@@ -318,7 +318,7 @@ def test_bench_generate_survives_a_llamacpp_that_crashes(model, monkeypatch, cap
     """llama.cpp runs in a child process: one that dies of a signal (as a default
     -march=native build does on AMX CPUs) costs its own row, with a line that names
     the signal, and the other engines' rows still come."""
-    from hisparse_jax.models import bench
+    from hisparse_jax.harness import generate_bench as bench
     monkeypatch.setattr(registry, "load", lambda name, **kw: model)
     monkeypatch.setattr(bench, "llamacpp_available", lambda: True)
     crash = "import os, signal, sys; sys.stdin.read(); os.kill(os.getpid(), signal.SIGSEGV)"
@@ -335,7 +335,7 @@ def test_bench_generate_table_takes_llamacpp_rows_and_budget_0(model, monkeypatc
     """Without --json the table prints llama.cpp's rows too (they have no HiSparse
     fields: `implementation` was a KeyError after every engine had run), and
     --budget-tokens 0 (sink + window) is 0, not the default a 16th of the context."""
-    from hisparse_jax.models import bench
+    from hisparse_jax.harness import generate_bench as bench
     monkeypatch.setattr(registry, "load", lambda name, **kw: model)
     monkeypatch.setattr(bench, "llamacpp_available", lambda: True)
     row = {"engine": "llamacpp", "context": 128, "batch": 1, "budget_tokens": None,
@@ -359,7 +359,7 @@ def test_bench_generate_table_takes_llamacpp_rows_and_budget_0(model, monkeypatc
     ("import time; time.sleep(30)", "no result within 1 s"),
 ])
 def test_child_row(code, want):
-    from hisparse_jax.models.bench import child_row
+    from hisparse_jax.harness.generate_bench import child_row
     if isinstance(want, dict):
         assert child_row([sys.executable, "-c", code], "", 60) == want
     else:

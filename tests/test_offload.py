@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from hisparse_jax import scheduler
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.offload import OffloadedCache
-from hisparse_jax.workloads import make_workload
+from hisparse_jax.harness.workloads import make_workload
+from hisparse_jax.offload import policy as scheduler
+from hisparse_jax.offload.store import OffloadedCache
 
 
 @pytest.mark.parametrize("policy", [scheduler.Policy(), scheduler.LRU])
@@ -103,7 +103,7 @@ def _buffer_slots_loop(want, in_ws, held):
 def test_sample_buffer_bookkeeping_matches_a_plain_loop(pages, resident_share, empty_share):
     import jax.numpy as jnp
 
-    from hisparse_jax.offload import _buffer_slots
+    from hisparse_jax.offload.store import _buffer_slots
     rng = np.random.default_rng(pages)
     shape = (3, 2, 16)
     held = np.full(shape, -1)
@@ -183,7 +183,7 @@ def test_copy_pages_inside_a_program_puts_each_page_in_its_slot(fresh):
     import jax
     import jax.numpy as jnp
 
-    from hisparse_jax import offload
+    from hisparse_jax.offload import store as offload
 
     rng = np.random.default_rng(3)
     layers, heads, pages, b, w, s = 2, 3, 400, 4, 40, 8

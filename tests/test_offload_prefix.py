@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from hisparse_jax.cache import CacheFullError, HiSparseCache
+from hisparse_jax.cache.handle import CacheFullError, HiSparseCache
+from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.offload import OffloadedCache
-from hisparse_jax.prefix import PrefixIndex
+from hisparse_jax.offload.store import OffloadedCache
 
 CFG = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=4096, max_seqs=3,
                      budget_tokens=256, num_pool_pages=320)
@@ -132,9 +132,9 @@ def test_layer_ahead_prefetch_raises_hits_and_keeps_outputs_exact():
     """Two layers over one workload: the layer below's selection, handed to the next
     layer's `prefetch` before it attends, turns misses into hits; outputs stay equal
     to an all-resident cache, and the last step's selection is never evicted."""
-    from hisparse_jax import scheduler
     from hisparse_jax.config import preset
-    from hisparse_jax.workloads import make_workload
+    from hisparse_jax.harness.workloads import make_workload
+    from hisparse_jax.offload import policy as scheduler
     wl = make_workload(context=4096, num_kv_heads=2, num_queries=4, seed=3)
     cfg = preset("default").replace(num_kv_heads=2, max_context=4096, budget_tokens=256)
     rng = np.random.default_rng(0)

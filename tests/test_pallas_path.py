@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.evaluation import evaluate
-from hisparse_jax.workloads import make_workload
+from hisparse_jax.harness.evaluation import evaluate
+from hisparse_jax.harness.workloads import make_workload
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

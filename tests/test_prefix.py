@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax.prefix import PrefixIndex, mmh3_page_hash, page_hashes
+from hisparse_jax.cache.prefix import PrefixIndex, mmh3_page_hash, page_hashes
 
 PG = 4
 

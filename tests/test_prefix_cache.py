@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from hisparse_jax.cache import CacheFullError, HiSparseCache
+from hisparse_jax.cache.handle import CacheFullError, HiSparseCache
+from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.prefix import PrefixIndex
 from tests.helpers import check_page_accounting
 
 
@@ -53,7 +53,7 @@ def test_common_prefix_is_stored_once(implementation):
     assert len(shared) >= n_prefix // 16 - cfg.sink_pages - 1
     assert all(table[0, p] == table[1, p] for p in shared)  # one copy
     # B stored only its own (non-prefix) cold pages.
-    from hisparse_jax.state import num_cold_pages
+    from hisparse_jax.cache.state import num_cold_pages
     own = int(num_cold_pages(cfg, len(b))) - len(shared)
     assert free_after_a - cache.num_free == own == free_after_a - int(cache.state.num_free)
     # B attends exactly as in a fresh cache without sharing.
@@ -79,7 +79,7 @@ def test_forced_collision_is_detected_and_not_reused(implementation):
     assert index.stats["collisions"] >= 1
     table = np.asarray(cache.state.page_table)
     assert not set(table[0][table[0] >= 0]) & set(table[1][table[1] >= 0])  # nothing reused
-    from hisparse_jax.state import num_cold_pages
+    from hisparse_jax.cache.state import num_cold_pages
     assert free - cache.num_free == int(num_cold_pages(cfg, 3000))
 
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import pressure, scheduler
-from hisparse_jax import state as st
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache import pressure
+from hisparse_jax.cache import state as st
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, preset
-from hisparse_jax.offload import OffloadedCache
+from hisparse_jax.offload import policy as scheduler
+from hisparse_jax.offload.store import OffloadedCache
 
 TIER_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale")
 

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from hisparse_jax import attention
+from hisparse_jax.attention import selection
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
-from hisparse_jax.evaluation import evaluate, needle_pages_hit, needles_found
-from hisparse_jax.workloads import CONCENTRATED, HEAD_KINDS, make_workload
+from hisparse_jax.harness.evaluation import evaluate, needle_pages_hit, needles_found
+from hisparse_jax.harness.workloads import CONCENTRATED, HEAD_KINDS, make_workload
 
 CASES = {"32k": (32768, 11), "128k": (131072, 12)}
 
@@ -105,13 +105,13 @@ def test_random_pages_fail(case, monkeypatch):
     rng = np.random.default_rng(0)
     n_cold = cfg.max_pages - cfg.sink_pages - cfg.hot_pages - cfg.warm_pages
 
-    real_select = attention._select
+    real_select = selection._select
 
     def random_select(cfg_, state, q, implementation, stacked=None):
         _, mass = real_select(cfg_, state, q, implementation, stacked)  # the tail sample stays
         pages = rng.choice(n_cold, size=(q.shape[0], cfg_.num_kv_heads, cfg_.budget_pages))
         return jax.numpy.asarray(pages + cfg_.sink_pages, jax.numpy.int32), mass
-    monkeypatch.setattr(attention, "_select", random_select)
+    monkeypatch.setattr(selection, "_select", random_select)
     jax.clear_caches()
     bad = evaluate(HiSparseConfig(), w.q, w.k, w.v)
     jax.clear_caches()

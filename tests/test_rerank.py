@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from hisparse_jax import attention
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
+from hisparse_jax.cache.state import slot_positions
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.state import slot_positions
 from pallas_kernels.sparse_decode import reference as decode_ref
 
 ROWS = 2000  # sequences, each with its own length and so its own draw

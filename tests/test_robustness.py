@@ -5,11 +5,13 @@ index, host pool, working set), and nothing wrong is accepted silently."""
 import numpy as np
 import pytest
 
-from hisparse_jax import capacity, pressure, scheduler
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax import capacity
+from hisparse_jax.cache import pressure
+from hisparse_jax.cache.handle import HiSparseCache
+from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.offload import OffloadedCache
-from hisparse_jax.prefix import PrefixIndex
+from hisparse_jax.offload import policy as scheduler
+from hisparse_jax.offload.store import OffloadedCache
 from tests.helpers import assert_same_snapshot, cache_snapshot, check_page_accounting, cli_error
 
 CFG = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=32, max_context=1024,

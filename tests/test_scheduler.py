@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import layout
-from hisparse_jax import scheduler as sc
+from hisparse_jax.cache import layout
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.harness import traces
+from hisparse_jax.offload import policy as sc
 
 
 def _run_checked(policy, sel, cand=None, prev=None, W=32):
@@ -49,7 +50,7 @@ def _run_checked(policy, sel, cand=None, prev=None, W=32):
 @pytest.mark.parametrize("policy", [sc.LRU, sc.Policy(), sc.Policy(prefetch_candidates=True),
                                     sc.Policy(max_prefetch=0)])
 def test_plan_apply_invariants(policy):
-    sel, cand = sc.synthetic_trace(steps=24, num_pages=200, k=16, heads=2, seed=1)
+    sel, cand = traces.synthetic_trace(steps=24, num_pages=200, k=16, heads=2, seed=1)
     sel = np.concatenate([sel, sel[:, :, ::-1]], axis=1)  # batch of 2 sequences
     cand = np.concatenate([cand, cand[:, :, ::-1]], axis=1)
     sel[3, 0, 0, 5:] = -1                                  # fewer than K pages
@@ -63,7 +64,7 @@ def test_plan_apply_invariants(policy):
 
 
 def test_working_set_equal_to_budget_and_errors():
-    sel, _ = sc.synthetic_trace(steps=8, num_pages=100, k=16, heads=1)
+    sel, _ = traces.synthetic_trace(steps=8, num_pages=100, k=16, heads=1)
     _run_checked(sc.Policy(), sel, W=16)  # W == K: everything but the selection goes
     with pytest.raises(ValueError):
         sc.plan(sc.init_state(1, 1, 8), jnp.asarray(sel[0]))
@@ -81,7 +82,7 @@ def test_working_set_bytes_counts_every_array():
 
 
 def test_policy_beats_lru_on_drifting_trace():
-    sel, cand = sc.synthetic_trace(steps=64, num_pages=512, k=16, heads=2, drift=2, seed=3)
+    sel, cand = traces.synthetic_trace(steps=64, num_pages=512, k=16, heads=2, drift=2, seed=3)
     out = {}
     for name, pol in (("lru", sc.LRU), ("pred", sc.Policy(prefetch_candidates=True))):
         s, hits = sc.run_trace(sc.init_state(1, 2, 32, pol), jnp.asarray(sel), None,
@@ -93,11 +94,11 @@ def test_policy_beats_lru_on_drifting_trace():
 
 def test_real_trace_small():
     """Real selections (select_pages over a workload cache): policy >= LRU at 2x."""
-    tr = sc.make_trace("drift", context=4096, steps=48, segment=16, num_kv_heads=2)
+    tr = traces.make_trace("drift", context=4096, steps=48, segment=16, num_kv_heads=2)
     K = tr.selected.shape[-1]
     assert tr.selected.shape == (48, 1, 2, K) and tr.info["overlap_consecutive_steps"] > 0.3
-    lru = sc.evaluate(tr, 2 * K, sc.LRU)
-    pred = sc.evaluate(tr, 2 * K, sc.Policy())
+    lru = traces.evaluate(tr, 2 * K, sc.LRU)
+    pred = traces.evaluate(tr, 2 * K, sc.Policy())
     assert pred["hit_rate"] >= lru["hit_rate"]
     assert lru["hits"] + lru["misses"] == lru["selected"] == pred["selected"]
 
@@ -126,9 +127,9 @@ def test_bench_cli_small(capsys):
 
 
 def test_belady_bound():
-    sel, _ = sc.synthetic_trace(steps=40, num_pages=300, k=16, heads=2, seed=5)
+    sel, _ = traces.synthetic_trace(steps=40, num_pages=300, k=16, heads=2, seed=5)
     s, _ = sc.run_trace(sc.init_state(1, 2, 32, sc.LRU), jnp.asarray(sel))
     lru = sc.counters(s)["hit_rate"]
-    assert sc.belady_hit_rate(sel, 32) >= lru
+    assert traces.belady_hit_rate(sel, 32) >= lru
     s, _ = sc.run_trace(sc.init_state(1, 2, 16, sc.LRU), jnp.asarray(sel))
-    assert sc.belady_hit_rate(sel, 16) == pytest.approx(sc.counters(s)["hit_rate"])
+    assert traces.belady_hit_rate(sel, 16) == pytest.approx(sc.counters(s)["hit_rate"])

@@ -8,10 +8,10 @@ import types
 
 import pytest
 
-from hisparse_jax import layout, state
+from hisparse_jax.cache import layout, state
+from hisparse_jax.cli.serve import plan_slots
 from hisparse_jax.models.engine import model_cache_config
 from hisparse_jax.models.llama import LlamaConfig
-from hisparse_jax.serving.cli import plan_slots
 
 # SmolLM2-135M's shapes (models.md): 30 layers, 9 query heads on 3 KV heads of 64
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
-from hisparse_jax import state as st
+from hisparse_jax.cache import state as st
 from hisparse_jax.config import default_budget_tokens
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
 from hisparse_jax.models.generate import stop_ids
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
 from hisparse_jax.serving import metrics
-from hisparse_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler, Token
+from hisparse_jax.serving.batcher import Finish, QueueFull, Request, Scheduler, Token
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +368,7 @@ def test_step_times_are_a_moving_average_and_deviation():
 def test_over_slo_table(block_s, decode_s, first_ago, generated, slo, over):
     import time
 
-    from hisparse_jax.serving.scheduler import _Seq
+    from hisparse_jax.serving.batcher import _Seq
     sched = Scheduler(SimpleNamespace(max_seqs=1, cache_cfg=None, max_stages=1), None, tpot_slo=slo)
     sched.block_s, sched.decode_s = dict(block_s), dict(decode_s)
     seq = _Seq(Request([1], 4, GREEDY, Collect()), None, decoding=True, generated=generated,
@@ -443,7 +443,7 @@ def test_bench_datasets(model):
     moves them a little), the lognormal-bimodal output mix, the shared prefix."""
     import argparse
 
-    from hisparse_jax.serving.bench import add_arguments, build_jobs
+    from hisparse_jax.harness.serve_bench import add_arguments, build_jobs
     tok = model[1]
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
+from hisparse_jax.cli.serve import plan_slots
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.generate import stop_ids
-from hisparse_jax.serving.cli import plan_slots
 from tests.helpers import running_server
 
 CONTEXT, BUDGET, SEQS = 2048, 64, 1

@@ -8,11 +8,11 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
-    from hisparse_jax.cache import HiSparseCache
+    from hisparse_jax.cache.handle import HiSparseCache
     from hisparse_jax.config import HiSparseConfig
     from hisparse_jax.attention import decode_attention
-    from hisparse_jax.sharding import kv_mesh, shard_state, query_sharding
-    from hisparse_jax import state as st
+    from hisparse_jax.cache.sharding import kv_mesh, shard_state, query_sharding
+    from hisparse_jax.cache import state as st
     assert jax.device_count() == 4
     cfg = HiSparseConfig(num_kv_heads=4, gqa_group=2, head_dim=64, max_context=4096,
                          max_seqs=2, budget_tokens=256)

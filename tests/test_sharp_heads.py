@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from hisparse_jax import attention
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.attention import selection
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import HiSparseConfig, preset
-from hisparse_jax.evaluation import ExactMass, always_attended, config_for
-from hisparse_jax.workloads import make_sharp_workload, make_workload
+from hisparse_jax.harness.evaluation import ExactMass, always_attended, config_for
+from hisparse_jax.harness.workloads import make_sharp_workload, make_workload
 from pallas_kernels.lookup import reference as lookup_ref
 
 SHARP_MASS = 0.5  # a head is sharp when one cold page holds more than this
@@ -133,7 +134,7 @@ def test_groups_without_far_bound_pages_select_as_before():
     cache.prefill(0, w.k, w.v)
     q = jnp.asarray(w.q)
     st = cache.state
-    extra = np.stack([np.asarray(attention._peak_pages(cfg, lookup_ref.page_scores(
+    extra = np.stack([np.asarray(selection._peak_pages(cfg, lookup_ref.page_scores(
         attention.group_queries(cfg, q[i:i + 1]), st.digest_center, st.digest_radius,
         st.page_table)[0], cfg.candidate_pages)) for i in range(3)])
     assert (extra == 0).all(), extra

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import state as st
+from hisparse_jax.cache import state as st
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models import engine as eng
 from hisparse_jax.models.llama import Llama, LlamaConfig, random_weights
@@ -181,7 +181,7 @@ def test_engine_refuses_what_the_pool_cannot_hold():
     """A pool smaller than the slots' contexts: the engine refuses the prefill or
     the decode step that would need a page nobody freed (CacheFullError, nothing
     written) instead of handing out a page another sequence holds."""
-    from hisparse_jax.cache import CacheFullError
+    from hisparse_jax.cache.handle import CacheFullError
     mc = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=64, max_position=2048)
     engine = eng.Engine(Llama(mc, random_weights(mc)), max_seqs=2, max_context=2048,

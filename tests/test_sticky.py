@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax import scheduler
 from hisparse_jax.attention import remember, select_pages
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
+from hisparse_jax.cache.layout import nbytes, state_bytes
+from hisparse_jax.cache.state import init_state
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, preset
-from hisparse_jax.layout import nbytes, state_bytes
-from hisparse_jax.state import init_state
-from hisparse_jax.workloads import make_workload
+from hisparse_jax.harness import traces
+from hisparse_jax.harness.workloads import make_workload
+from hisparse_jax.offload import policy as scheduler
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.5", None])
@@ -108,14 +109,14 @@ def test_sticky_selection_cuts_churn_at_no_recall_cost():
     top-k (the low end of published overlaps), stickiness raises the overlap by
     more than 0.1 and costs less than 0.002 attention-mass recall (DESIGN §4);
     the scheduler's hit rate at 2x the budget then clears 95% and beats LRU."""
-    tr = scheduler.make_trace("drift", context=32768, steps=128, recall_every=4)
+    tr = traces.make_trace("drift", context=32768, steps=128, recall_every=4)
     info = tr.info
     print({k: round(v, 4) for k, v in info.items() if k.startswith(("overlap", "recall"))})
     assert abs(info["overlap_consecutive_steps_plain"] - 0.70) < 0.05
     assert info["overlap_consecutive_steps"] > info["overlap_consecutive_steps_plain"] + 0.1
     assert info["recall_mean"] > info["recall_mean_plain"] - 0.002
     k = tr.selected.shape[-1]
-    pred = scheduler.evaluate(tr, 2 * k, scheduler.Policy())["hit_rate"]
-    lru = scheduler.evaluate(tr, 2 * k, scheduler.LRU)["hit_rate"]
+    pred = traces.evaluate(tr, 2 * k, scheduler.Policy())["hit_rate"]
+    lru = traces.evaluate(tr, 2 * k, scheduler.LRU)["hit_rate"]
     print("hit rate at 2x: predictive", pred, "lru", lru)
     assert pred >= 0.95 and pred > lru

@@ -7,7 +7,7 @@ channels; Gemma 2 soft-caps attention logits at 50)."""
 import numpy as np
 import pytest
 
-from hisparse_jax.workloads import make_workload
+from hisparse_jax.harness.workloads import make_workload
 
 MAX_LOGIT = 50.0
 

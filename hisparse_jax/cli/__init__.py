@@ -119,11 +119,11 @@ def build_parser() -> Parser:
     kn.set_defaults(func=commands.cmd_bench_kernels)
 
     debug_flag(add_scheduler_bench_parser(bsub))
-    from hisparse_jax.models.cli import add_model_bench_parsers
+    from hisparse_jax.cli.models import add_model_bench_parsers
     debug_flag(add_model_bench_parsers(bsub))
     debug_flag(add_capacity_parser(sub))
-    from hisparse_jax.models.cli import add_model_parsers
-    from hisparse_jax.serving.cli import add_bench_serve_parser, add_serving_parsers
+    from hisparse_jax.cli.models import add_model_parsers
+    from hisparse_jax.cli.serve import add_bench_serve_parser, add_serving_parsers
     debug_flag(add_bench_serve_parser(bsub))
     n = len(sub.choices)
     add_model_parsers(sub)

@@ -1,5 +1,5 @@
 """`hisparse bench scheduler`: offload residency, predictive policy vs LRU
-(`hisparse_jax.scheduler.bench_scheduler`)."""
+(`hisparse_jax.harness.traces.bench_scheduler`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hisparse_jax.cli.args import (
     number,
     number_list,
 )
-from hisparse_jax.scheduler import bench_scheduler
+from hisparse_jax.harness.traces import bench_scheduler
 
 TRACE_KINDS = ("drift", "retrieval")
 MIN_CONTEXT = 4096

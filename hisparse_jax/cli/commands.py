@@ -86,7 +86,7 @@ def _eval_config(args):
 
 def cmd_eval(args):
     from hisparse_jax.config import resolve_implementation
-    from hisparse_jax.evaluation import config_for, evaluate
+    from hisparse_jax.harness.evaluation import config_for, evaluate
     cfg = _eval_config(args)
     for b in args.oracle_budgets or ():
         if b % cfg.page_size:
@@ -130,7 +130,7 @@ def _flat(d: dict, prefix=""):
 
 
 def cmd_bench_attention(args):
-    from hisparse_jax.bench import bench_attention
+    from hisparse_jax.harness.attention_bench import bench_attention
     row = bench_attention(args.context, preset_name=args.preset, batch=args.batch,
                           repeats=args.repeats, tail_sample_pages=args.tail_sample_pages,
                           rerank_multiple=args.rerank_multiple, log=_log)
@@ -143,7 +143,7 @@ def cmd_bench_attention(args):
 
 
 def cmd_bench_kernels(args):
-    from hisparse_jax import bench_kernels as bk
+    from hisparse_jax.harness import kernel_bench as bk
     plan = bk.plan(args.case, args.impl, args.ops, iters=args.iters, warmup=args.warmup)
     command = ["hisparse", "bench", "kernels", "--case", args.case, "--impl", args.impl,
                "--ops", args.ops]
@@ -183,7 +183,7 @@ def cmd_demo(args):
         if real:
             raise CLIError(f"--{real[0].replace('_', '-')} is the real-model demo's; "
                            "--synthetic takes --context N")
-        from hisparse_jax.demo import run_demo
+        from hisparse_jax.harness.synthetic_demo import run_demo
         return run_demo(context=args.context or 131072, log=_log)
     if args.context is not None:
         raise CLIError("--context is for --synthetic; the real-model demo takes --tokens N")
@@ -192,5 +192,5 @@ def cmd_demo(args):
     if args.budget_tokens is not None and args.budget_tokens % 16 and args.budget_tokens != -1:
         raise CLIError(f"--budget-tokens {args.budget_tokens}: a multiple of 16 (the page "
                        "size) or 'all'")
-    from hisparse_jax.models.demo import run_demo
+    from hisparse_jax.harness.passkey_demo import run_demo
     run_demo(args.model, args.tokens, args.depth, args.key, args.budget_tokens, log=_log)

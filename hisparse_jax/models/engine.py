@@ -49,10 +49,10 @@ from flax import nnx
 
 from cpu_kernels import ops as cpu_ops
 from hisparse_jax import attention as att
-from hisparse_jax import layout, scheduler
-from hisparse_jax import offload as off
-from hisparse_jax import state as st
-from hisparse_jax.cache import CacheFullError
+from hisparse_jax.cache import layout
+from hisparse_jax.cache import state as st
+from hisparse_jax.cache.handle import CacheFullError
+from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import (
     HiSparseConfig,
     model_preset,
@@ -69,8 +69,9 @@ from hisparse_jax.models.sampling import (
     sample_slots,
     slot_params,
 )
-from hisparse_jax.offload import attend_planned, plan_copies
-from hisparse_jax.prefix import PrefixIndex
+from hisparse_jax.offload import policy as scheduler
+from hisparse_jax.offload import store as off
+from hisparse_jax.offload.store import attend_planned, plan_copies
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, check_working_set
 
 ATTENTIONS = ("hisparse", "dense")

@@ -37,9 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hisparse_jax.config import IMPLEMENTATIONS, resolve_implementation
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
 from hisparse_jax.models.sampling import SamplingParams
-from hisparse_jax.scheduler import POLICIES
-from hisparse_jax.serving.metrics import Metrics
-from hisparse_jax.serving.scheduler import (
+from hisparse_jax.offload.policy import POLICIES
+from hisparse_jax.serving.batcher import (
     Finish,
     QueueFull,
     Request,
@@ -47,6 +46,7 @@ from hisparse_jax.serving.scheduler import (
     Token,
     TooLarge,
 )
+from hisparse_jax.serving.metrics import Metrics
 from hisparse_jax.validate import check_int, check_number
 
 log = logging.getLogger("hisparse.serve")

@@ -233,7 +233,7 @@ def test_spec_takes_the_slots_out_of_an_explicit_budget(vllm_config, bridge, mon
     blocks = GiB // (30 * spec.page_size_bytes)  # vLLM's division
     cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=BS,
                          max_model_len=2048, max_seqs=max_num_seqs, num_blocks=blocks)
-    from hisparse_jax import layout
+    from hisparse_jax.cache import layout
     assert 30 * layout.state_bytes(cfg).device <= 30 * blocks * spec.page_size_bytes <= GiB
     assert c == rt.budget_content_bytes(cfg, GiB, 30) and c % 2 == 0
     # without a budget (vLLM measures it later): the per-token figure, checked at start

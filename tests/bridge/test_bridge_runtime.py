@@ -125,7 +125,7 @@ def test_long_request_equals_the_library_cache(budget):
     """Past the hot window (fp8 warm, int4 cold): a chunked prefill is exact, and
     decode equals HiSparseCache fed the same K/V (the bridge drives the library,
     it does not change it); cold pages sit at the request's block ids."""
-    from hisparse_jax.cache import HiSparseCache
+    from hisparse_jax.cache.handle import HiSparseCache
 
     cfg, table, layer, fake = setup(budget=budget)
     fake.start("a", 1300)
@@ -256,7 +256,7 @@ def test_a_finished_request_frees_its_slot_and_staged_kv():
     (1024, 8, 388, 1024),
 ])
 def test_slots_are_taken_out_of_an_explicit_budget(max_seqs, budget_gib, content, most):
-    from hisparse_jax import layout
+    from hisparse_jax.cache import layout
     cfg = rt.make_config(num_kv_heads=HKV, num_heads=HQ, head_dim=D, page_size=PG,
                          max_model_len=8192, max_seqs=max_seqs)
     budget, layers = budget_gib * 2**30, 30

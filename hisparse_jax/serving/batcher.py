@@ -85,7 +85,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax import state as st
+from hisparse_jax.cache import state as st
 from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
 from hisparse_jax.models.generate import TextStream
 from hisparse_jax.models.sampling import SamplingParams

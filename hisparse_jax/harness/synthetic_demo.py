@@ -6,11 +6,11 @@ import time
 
 import numpy as np
 
-from hisparse_jax.bench import bench_attention
+from hisparse_jax.cache.layout import capacity_report
 from hisparse_jax.config import preset
-from hisparse_jax.evaluation import evaluate, needle_pages_hit
-from hisparse_jax.layout import capacity_report
-from hisparse_jax.workloads import HEAD_KINDS, make_workload
+from hisparse_jax.harness.attention_bench import bench_attention
+from hisparse_jax.harness.evaluation import evaluate, needle_pages_hit
+from hisparse_jax.harness.workloads import HEAD_KINDS, make_workload
 
 
 def run_demo(context: int = 131072, log=print):

@@ -192,7 +192,7 @@ def _make_arrays(key, *, b, h, g, d, page, tb, tw, n, pool, sink_pages, recent, 
         "fp8_v": ((b, h, tw, d), fp8, "normal", 0, 0),
         "fp8_k_scale": ((b, h, tw), f32, "uniform", 0.001, 0.01),
         "fp8_v_scale": ((b, h, tw), f32, "uniform", 0.001, 0.01),
-        # Cold pool, head-major [Hkv, P, ...] (hisparse_jax.state layout).
+        # Cold pool, head-major [Hkv, P, ...] (hisparse_jax.cache.state layout).
         "int4_k": ((h, pool, page, d // 2), jnp.uint8, "bytes", 0, 0),
         "int4_v": ((h, pool, page, d // 2), jnp.uint8, "bytes", 0, 0),
         "int4_v_scale": ((h, pool, page, ng), bf16, "uniform", 0.01, 0.2),

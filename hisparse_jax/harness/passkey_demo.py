@@ -16,7 +16,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from hisparse_jax import layout
+from hisparse_jax.cache import layout
 from hisparse_jax.config import FULL_BUDGET
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.prompts import passkey_hit, passkey_ids

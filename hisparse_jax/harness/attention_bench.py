@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.attention import decode_attention, dense_decode_attention
-from hisparse_jax.cache import HiSparseCache
+from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.config import preset
 from hisparse_jax.validate import check_int
 

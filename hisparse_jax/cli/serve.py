@@ -32,13 +32,13 @@ def build_state(cfg):
     scheduler: everything `app.build_app` serves."""
     import pathlib
 
-    from hisparse_jax import scheduler
     from hisparse_jax.models.engine import Engine
     from hisparse_jax.models.generate import stop_ids
     from hisparse_jax.models.registry import load, resolve
+    from hisparse_jax.offload import policy as scheduler
     from hisparse_jax.serving.app import Served, State, lineage
+    from hisparse_jax.serving.batcher import Scheduler
     from hisparse_jax.serving.metrics import Metrics
-    from hisparse_jax.serving.scheduler import Scheduler
 
     metrics = Metrics(cfg.price_per_hour)
     models = {}
@@ -275,7 +275,7 @@ def add_serving_parsers(subparsers):
 def add_bench_serve_parser(bench_subparsers):
     """Adds `serve` under `hisparse bench` (a load generator for any
     OpenAI-compatible server); returns its parser."""
-    from hisparse_jax.serving.bench import add_arguments, main_bench_serve
+    from hisparse_jax.harness.serve_bench import add_arguments, main_bench_serve
     b = bench_subparsers.add_parser("serve", help="load an OpenAI-compatible server: TTFT, "
                                     "TPOT, ITL, E2EL, throughput, goodput")
     add_arguments(b)

@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hisparse_jax.cache.state import CacheState
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.state import CacheState
 
 AXIS = "kv"
 

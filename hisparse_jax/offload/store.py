@@ -30,8 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hisparse_jax import layout, pressure, scheduler
-from hisparse_jax import state as st
 from hisparse_jax.attention import (
     Selection,
     attend_cold_slots,
@@ -40,9 +38,12 @@ from hisparse_jax.attention import (
     select,
     take_or_none,
 )
-from hisparse_jax.cache import HiSparseCache, log
+from hisparse_jax.cache import layout, pressure
+from hisparse_jax.cache import state as st
+from hisparse_jax.cache.handle import HiSparseCache, log
 from hisparse_jax.compat import compute_on
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.offload import policy as scheduler
 from hisparse_jax.validate import check_int, check_working_set
 
 HOST_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")

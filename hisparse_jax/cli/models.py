@@ -177,7 +177,7 @@ def main_bench_generate(args):
     import json
 
     from hisparse_jax.config import FULL_BUDGET
-    from hisparse_jax.models.bench import ENGINES, run
+    from hisparse_jax.harness.generate_bench import ENGINES, run
     engines = tuple(args.engines.split(","))
     bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:

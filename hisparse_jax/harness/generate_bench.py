@@ -116,7 +116,7 @@ def measure_llamacpp(gguf: str, ids, decode: int, threads: int) -> dict:
     time limit."""
     job = json.dumps({"gguf": gguf, "ids": [int(i) for i in ids], "decode": decode,
                       "threads": threads})
-    code = "from hisparse_jax.models.bench import llamacpp_child; llamacpp_child()"
+    code = "from hisparse_jax.harness.generate_bench import llamacpp_child; llamacpp_child()"
     return child_row([sys.executable, "-c", code], job, LLAMACPP_TIMEOUT_S)
 
 

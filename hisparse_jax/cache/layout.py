@@ -63,7 +63,7 @@ def state_bytes(cfg: HiSparseConfig) -> Bytes:
 def sequence_bytes(cfg: HiSparseConfig, context: int) -> Bytes:
     """Device bytes one sequence of `context` tokens needs (its share of the pool:
     exactly its cold pages; its own bf16/fp8 slots; its page-table row)."""
-    from hisparse_jax.state import num_cold_pages
+    from hisparse_jax.cache.state import num_cold_pages
     one = cfg.replace(max_seqs=1, max_context=max(cfg.page_size,
                                                   -(-context // cfg.page_size) * cfg.page_size),
                       num_pool_pages=max(1, int(num_cold_pages(cfg, context))))

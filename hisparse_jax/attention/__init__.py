@@ -1,0 +1,67 @@
+"""Attention over a HiSparse cache: `selection` (which cold pages a step reads),
+`decode` (the sparse decode attention and one decode step or layer) and `exact`
+(exact attention: the dense decode baseline and the causal prefill)."""
+
+from hisparse_jax.attention.decode import (
+    COLD_FIELDS,
+    QUEST_FLOOR_SLACK,
+    attend_cold_slots,
+    attend_pages,
+    candidate_bounds,
+    candidate_pages,
+    decode_attention,
+    decode_layer,
+    decode_step,
+    rerank,
+    take_or_none,
+    window_lse,
+)
+from hisparse_jax.attention.exact import (
+    causal_prefill_attention,
+    causal_query_block,
+    dense_decode_attention,
+    query_rows,
+    query_rows_back,
+)
+from hisparse_jax.attention.selection import (
+    TAIL_UNIFORM_SHARE,
+    Selection,
+    group_queries,
+    head_sum,
+    pool_pages,
+    remember,
+    row_sum,
+    sample_tail,
+    select,
+    select_pages,
+)
+
+__all__ = [
+    "COLD_FIELDS",
+    "QUEST_FLOOR_SLACK",
+    "TAIL_UNIFORM_SHARE",
+    "Selection",
+    "attend_cold_slots",
+    "attend_pages",
+    "candidate_bounds",
+    "candidate_pages",
+    "causal_prefill_attention",
+    "causal_query_block",
+    "decode_attention",
+    "decode_layer",
+    "decode_step",
+    "dense_decode_attention",
+    "group_queries",
+    "head_sum",
+    "pool_pages",
+    "query_rows",
+    "query_rows_back",
+    "remember",
+    "rerank",
+    "row_sum",
+    "sample_tail",
+    "select",
+    "select_pages",
+    "take_or_none",
+    "window_lse",
+]
