@@ -168,11 +168,18 @@ def interrupted_cli(argv, ready, timeout: float = 120) -> tuple[int, str, str]:
     """`python -m hisparse_jax.cli ARGV`, sent SIGINT once `ready(proc)` returns (it
     may read the process's stdout, or poll something else, within its own bound);
     returns its exit code and the rest of its output. Killed by its PID if it still
-    runs at the end, whatever happened."""
+    runs at the end, whatever happened.
+
+    The child sets SIGINT's handler itself before the CLI starts: a process started
+    from a background job of a non-interactive shell (`make test &`, nohup) inherits
+    SIGINT ignored, and Python then installs no handler, so the signal would never
+    arrive."""
     import signal
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.cli", *argv],
+    start = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "runpy.run_module('hisparse_jax.cli', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", start, *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready(proc)
