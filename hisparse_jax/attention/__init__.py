@@ -17,9 +17,12 @@ from hisparse_jax.attention.decode import (
     window_lse,
 )
 from hisparse_jax.attention.exact import (
+    PREFILL_CHUNK,
+    causal_block_attention,
     causal_prefill_attention,
     causal_query_block,
     dense_decode_attention,
+    float32_decode_attention,
     query_rows,
     query_rows_back,
 )
@@ -38,6 +41,7 @@ from hisparse_jax.attention.selection import (
 
 __all__ = [
     "COLD_FIELDS",
+    "PREFILL_CHUNK",
     "QUEST_FLOOR_SLACK",
     "TAIL_UNIFORM_SHARE",
     "Selection",
@@ -45,12 +49,14 @@ __all__ = [
     "attend_pages",
     "candidate_bounds",
     "candidate_pages",
+    "causal_block_attention",
     "causal_prefill_attention",
     "causal_query_block",
     "decode_attention",
     "decode_layer",
     "decode_step",
     "dense_decode_attention",
+    "float32_decode_attention",
     "group_queries",
     "head_sum",
     "pool_pages",

@@ -1,5 +1,8 @@
 """Exact attention on unquantized K/V: one query per sequence (the quality and
-speed baseline) and the causal prefill."""
+speed baseline, `dense_decode_attention`, and the dense engine's float32
+`float32_decode_attention`) and the causal prefill (`causal_prefill_attention`
+of a whole prompt, `causal_block_attention` of one query block of it), every
+exact prefill through one body (`causal_query_block`)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax import backends
+
+PREFILL_CHUNK = 512  # the causal prefill's query/key block: prompts are padded to it
 
 
 @jax.jit
@@ -29,6 +37,20 @@ def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     p = jnp.where(valid, p, 0.0)
     out = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, hq, d)
+
+
+def float32_decode_attention(q, k, v, lengths):
+    """Exact decode attention over a bf16 cache, in float32 (`dense_decode_attention`
+    rounds q and the probabilities to the cache's dtype, which moved SmolLM2's
+    logits against float32 attention): the dense engine's baseline.
+    q [B, Hq, D]; k, v [B, Hkv, S, D]; lengths [B] -> [B, Hq, D] float32."""
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
+    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k.astype(jnp.float32)) / np.sqrt(d)
+    valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    p = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhgs,bhsd->bhgd", p, v.astype(jnp.float32)).reshape(b, hq, d)
 
 
 def causal_query_block(qi: jax.Array, kv_block, i: jax.Array, chunk: int) -> jax.Array:
@@ -83,7 +105,7 @@ def query_rows_back(out: jax.Array, chunk: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def causal_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                             chunk: int = 512) -> jax.Array:
+                             chunk: int = PREFILL_CHUNK) -> jax.Array:
     """Exact causal attention for a prompt, chunked so memory is O(chunk^2), not O(T^2).
 
     q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D] float32. T must be a multiple of
@@ -101,3 +123,53 @@ def causal_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         lambda a: query_rows_back(causal_query_block(a[1], lambda j: (kc[j], vc[j]), a[0], chunk), chunk),
         (jnp.arange(n), qb))
     return out.reshape(t, hq, d)
+
+
+def causal_block_attention(q, k, v, start, chunk: int, prefill: str, layer=None):
+    """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
+    over k, v [S, Hkv, D] (bf16), or k[layer], v[layer] of a stack [L, S, Hkv, D]
+    read where it lies (a chunked prefill's staged K/V: slicing a layer out would
+    copy all of it every block) -> [C, Hq, D] float32, on the CPU kernel (prefill
+    "cpu", `backends.resolve("causal_attention", ...)`: AMX tiles or AVX-512) or in XLA
+    (`causal_query_block`, key blocks of `chunk`, start a multiple of it, C at
+    most `chunk`; start a Python 0: a whole prompt, `causal_prefill_attention`).
+    Each query's output is the same whatever block it is computed in, so a prompt
+    prefilled block by block gets the numbers of one program."""
+    return backends.kernel("causal_attention", prefill)(q, k, v, start, chunk, layer)
+
+
+def _causal_why_not(head_dim: int, **_) -> str | None:
+    why = backends.cpu_kernel_why_not("causal_unavailable")()
+    if why is None and (head_dim % 64 or head_dim > 256):
+        why = f"the causal kernel takes head dims of 64, 128, 192 or 256, not {head_dim}"
+    return why
+
+
+def _causal_label() -> str:
+    from cpu_kernels import build
+    return f"the CPU kernel, {build.causal_path()}"
+
+
+@backends.register("causal_attention", "cpu", why_not=_causal_why_not, strict=False,
+                   label=_causal_label)
+def _causal_block_cpu(q, k, v, start, chunk, layer):
+    """cpu_kernels/causal_attention.cc: on AMX tiles, or on AVX-512."""
+    from cpu_kernels import ops
+    return ops.causal_attention(q, k, v, start, layer=layer)
+
+
+@backends.register("causal_attention", "xla", label="XLA")
+def _causal_block_reference(q, k, v, start, chunk, layer):
+    if isinstance(start, int):  # a whole prompt (from 0): its own K/V, never a stack
+        return causal_prefill_attention(q, k, v, chunk=chunk)
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
+    kv = lambda j: tuple(jax.lax.dynamic_slice(s, (layer, j * chunk, 0, 0), (1, chunk, *s.shape[2:]))[0]
+                         .astype(jnp.float32).transpose(1, 0, 2) for s in (k, v))
+    # A prompt's last block may be shorter: its queries are padded back to a whole
+    # block here, because XLA's products of fewer rows sum differently, which flips
+    # bf16 roundings of later layers' K/V (and moves the logits)
+    c = q.shape[0]
+    q = jnp.pad(q, ((0, chunk - c), (0, 0), (0, 0)))
+    out = causal_query_block(query_rows(q, k.shape[2]), kv, start // chunk, chunk)
+    return query_rows_back(out, chunk)[:c]
