@@ -18,7 +18,7 @@ Variants (each one jitted program over all layers, caches donated, as the engine
   GGUF blocks (where it has them: the products read the bf16 weights, not the
   Q4_1/Q8_0 tiles; cpu_kernels/blocks.py).
 Every variant's weight products are `--products`' (default: the engine's,
-`config.resolve_products`: the AMX kernel where the CPU has AMX-BF16).
+`backends.resolve("weight_products")`: the AMX kernel where the CPU has AMX-BF16).
 The cache is filled with `context` tokens by the engine's own prefill first.
 Prints one JSON line per (batch, variant): median ms per step over `--repeats`.
 
@@ -42,9 +42,10 @@ from flax import nnx
 
 from cpu_kernels import build as cpu_build
 from hisparse_jax import attention as att
+from hisparse_jax import backends
 from hisparse_jax.cache import state as st
-from hisparse_jax.config import resolve_products
 from hisparse_jax.models import engine as eng
+from hisparse_jax.models import kv
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.registry import load
 
@@ -58,7 +59,7 @@ def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant, prod
         if variant == "weights":  # k and v used, else XLA drops their products
             return q + jnp.repeat(k + v, q.shape[-2] // k.shape[-2], axis=-2), caches
         if variant == "dense":  # the engine's
-            return eng.dense_decode_layer(caches, layer, q, k, v, lens, active)
+            return kv.dense_decode_layer(caches, layer, q, k, v, lens, active)
         if variant == "hisparse":  # the engine's
             return att.decode_layer(hcfg, caches, layer, q, k, v, active)
         if variant == "hisparse_cpu":  # the engine's, on the C++ kernels
@@ -118,7 +119,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--budget-tokens", type=int, default=None, help="default: context / 16")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--products", choices=["cpu", "xla"], default=resolve_products(None),
+    p.add_argument("--products", choices=["cpu", "xla"], default=backends.resolve("weight_products"),
                    help="the weight products' implementation (default: the engine's)")
     p.add_argument("--state-loop", action="store_true",
                    help="time the cache updates alone in a 30-layer loop (no model)")

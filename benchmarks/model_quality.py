@@ -45,7 +45,8 @@ import numpy as np
 from tqdm import tqdm
 
 from hisparse_jax import attention as att
-from hisparse_jax.config import FULL_BUDGET, resolve_implementation
+from hisparse_jax.backends import resolve_implementation
+from hisparse_jax.config import FULL_BUDGET
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.prompts import passkey_hit, passkey_ids
 from hisparse_jax.models.registry import load

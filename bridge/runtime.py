@@ -43,7 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.attention import causal_prefill_attention, decode_layer
+from hisparse_jax import backends
+from hisparse_jax.attention import causal_block_attention, decode_layer
+from hisparse_jax.attention.exact import PREFILL_CHUNK
+from hisparse_jax.backends import resolve_implementation
 from hisparse_jax.cache import layout
 from hisparse_jax.cache import state as st
 from hisparse_jax.config import (
@@ -51,13 +54,11 @@ from hisparse_jax.config import (
     HiSparseConfig,
     default_budget_tokens,
     model_preset,
-    resolve_implementation,
 )
 
 log = logging.getLogger("hisparse.bridge")
 
 STAGE, CONVERT, DECODE, MULTI = "stage", "convert", "decode", "multi"
-PREFILL_CHUNK = 512  # causal_prefill_attention's chunk: staged prompts are padded to it
 
 
 class BridgeError(RuntimeError):
@@ -458,7 +459,7 @@ def decode_rows(cfg: HiSparseConfig, stacked: st.CacheState, q, k, v, slots, ids
     which read them in place), the pool stays in place.
     """
     stacked = _load_free_stack(cfg, stacked, ids, n_ids)
-    keep = st.WINDOW_FIELDS if resolve_implementation(None, cfg) == "cpu" else ()
+    keep = backends.reads_in_place("attend_cold", resolve_implementation(None, cfg))
     part_cfg, part = st.first_slots(cfg, stacked, width or cfg.max_seqs, axis=1, keep=keep)
     out, part = _decode_rows(part_cfg, part, q, k, v, slots, q_scale)
     return out, st.put_first_slots(stacked, part, axis=1)
@@ -484,10 +485,12 @@ def _decode_rows(cfg, stacked, q, k, v, slots, q_scale):
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def causal_attention(q, k, v, scale, *, chunk: int = PREFILL_CHUNK):
     """Exact causal attention of a prompt from position 0 (q [T, Hq, D], k, v
-    [T, Hkv, D], T a multiple of `chunk`) with softmax scale `scale`."""
+    [T, Hkv, D], T a multiple of `chunk`) with softmax scale `scale`: the engine's
+    exact prefill (`attention.causal_block_attention` in XLA), q rescaled for its
+    1/sqrt(D)."""
     d = q.shape[-1]
-    return causal_prefill_attention(q.astype(jnp.float32) * (scale * math.sqrt(d)), k, v,
-                                    chunk=chunk)
+    return causal_block_attention(q.astype(jnp.float32) * (scale * math.sqrt(d)), k, v, 0,
+                                  chunk, "xla")
 
 
 @functools.partial(jax.jit, static_argnames=("block",))

@@ -17,8 +17,8 @@ pure-jnp reference of the same signature.
   the layer out of the stack first. Reference in `reference.py`.
 
 They are compiled with the machine's C++ compiler on first use (`build.py`) and are
-the default on a CPU (`config.resolve_implementation`, `config.resolve_prefill`,
-`config.resolve_products`); without a compiler (or AMX, for the prefill and the
+the default on a CPU (`hisparse_jax.backends`, where each
+registers); without a compiler (or AMX, for the prefill and the
 products) the default is the XLA path. Imports
 point one way: hisparse_jax -> cpu_kernels -> pallas_kernels (the references) ->
 jax.

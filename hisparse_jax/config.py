@@ -8,7 +8,6 @@ import math
 from hisparse_jax.validate import is_int, is_number
 
 FULL_BUDGET = -1  # budget_tokens value meaning "attend every cold page"
-IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
 RERANK_WEIGHTS = ("share", "mass")
 
 
@@ -20,70 +19,6 @@ def default_budget_tokens(context: int, page_size: int = 16) -> int:
     and faster at 512 (163 against 232 ms, another; docs/serving.md, "Measured"),
     and 1/16 is the budget its quality was measured at."""
     return min(2048, max(512, context // 16 // page_size * page_size))
-
-
-def resolve_implementation(implementation, cfg: HiSparseConfig | None = None) -> str:
-    """None -> "pallas" on a GPU when the kernels take `cfg`'s shapes (head_dim 96
-    does not); on the CPU, "cpu" (the C++ decode kernels, `cpu_kernels/`) when they
-    build here and take `cfg`'s shapes; "xla" otherwise. A named implementation
-    must be one of IMPLEMENTATIONS and fit: "pallas" `cfg`, "cpu" `cfg` and a CPU
-    backend with a C++ compiler."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    import jax
-
-    from pallas_kernels.common import unsupported
-    backend = jax.default_backend()
-    if implementation in (None, "pallas"):
-        why = None if cfg is None else unsupported(cfg.head_dim)
-        if implementation is None and backend == "gpu":
-            return "xla" if why else "pallas"
-        if implementation == "pallas" and why:
-            raise ValueError(f"the Pallas kernels cannot hold this cache: {why}; use "
-                             f"implementation='xla'")
-    if implementation in (None, "cpu"):
-        from cpu_kernels import build
-        why = (f"the CPU kernels run on the CPU backend, not {backend!r}" if backend != "cpu"
-               else build.unavailable() or
-               (None if cfg is None else build.unsupported(cfg.head_dim, cfg.gqa_group)))
-        if implementation is None:
-            return "xla" if why else "cpu"
-        if why:
-            raise ValueError(f"implementation='cpu': {why}; use implementation='xla'")
-    return implementation
-
-
-def _cpu_kernel_runs(implementation, why_not: str) -> bool:
-    """A CPU kernel applies: `implementation` None or "cpu", the CPU backend, and
-    `cpu_kernels.build.<why_not>()` None (e.g. "causal_unavailable": a CPU with
-    AMX-BF16 tiles or AVX-512)."""
-    if implementation not in (None, "cpu"):
-        return False
-    import jax
-    if jax.default_backend() != "cpu":
-        return False
-    from cpu_kernels import build
-    return getattr(build, why_not)() is None
-
-
-def resolve_prefill(implementation, head_dim: int) -> str:
-    """The exact prefill attention's implementation: "cpu", the kernel
-    (cpu_kernels/causal_attention.cc: on AMX tiles, or on AVX-512) where it applies
-    (`_cpu_kernel_runs`) and head_dim is a multiple of 64 (at most 256); "xla"
-    (`attention.causal_prefill_attention`) otherwise."""
-    ok = (_cpu_kernel_runs(implementation, "causal_unavailable") and head_dim % 64 == 0
-          and head_dim <= 256)
-    return "cpu" if ok else "xla"
-
-
-def resolve_products(implementation) -> str:
-    """The model's weight products with few rows (a decode step's, a short
-    prompt's): "cpu", the kernel reading stacked weights in place
-    (cpu_kernels/matmul.cc: on AMX tiles, or on AVX-512 for up to 16 rows), where
-    it runs (`implementation` None or "cpu", the CPU backend,
-    `build.products_unavailable`); "xla" otherwise. Products of more rows (a long
-    prefill's blocks) are XLA's either way (`models.llama.KERNEL_MAX_ROWS`)."""
-    return "cpu" if _cpu_kernel_runs(implementation, "products_unavailable") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

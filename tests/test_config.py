@@ -2,7 +2,8 @@ import dataclasses
 
 import pytest
 
-from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset, resolve_implementation
+from hisparse_jax.backends import resolve_implementation
+from hisparse_jax.config import FULL_BUDGET, PRESETS, HiSparseConfig, preset
 
 
 @pytest.mark.parametrize("field,value", [

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build, ops
-from hisparse_jax.config import HiSparseConfig, resolve_implementation
+from hisparse_jax.backends import resolve_implementation
+from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.sparse_decode import reference as ref
 from tests.test_kernels import DecodeCase as Case
 from tests.test_kernels import make_decode, make_logw
@@ -269,13 +270,15 @@ def test_without_a_compiler_the_default_is_xla_and_naming_the_kernels_says_why(t
     code = """if True:
         import jax
         from cpu_kernels import build
-        from hisparse_jax.config import HiSparseConfig, resolve_implementation
+        from hisparse_jax.backends import resolve_implementation
+        from hisparse_jax.config import HiSparseConfig
         why = build.unavailable()
         assert why and "no C++ compiler" in why, why
         assert resolve_implementation(None, HiSparseConfig()) == "xla"
         assert "no C++ compiler" in build.amx_unavailable()
-        from hisparse_jax.config import resolve_prefill
-        assert resolve_prefill(None, 64) == "xla"
+        from hisparse_jax import backends
+        from hisparse_jax.attention import exact
+        assert backends.resolve("causal_attention", None, head_dim=64) == "xla"
         try:
             resolve_implementation("cpu", HiSparseConfig())
         except ValueError as e:

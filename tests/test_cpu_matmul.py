@@ -27,7 +27,7 @@ import pytest
 from helpers import AMX, AVX512, PRODUCT_PATHS, needs_amx
 
 from cpu_kernels import blocks, build, ops, reference
-from hisparse_jax.config import resolve_products
+from hisparse_jax import backends
 from hisparse_jax.models.llama import matmul
 
 
@@ -175,7 +175,7 @@ def test_which_products_run(implementation, want):
     """The kernel where it can run (the default, and with the decode kernels), XLA's
     products everywhere else; a CPU without AMX runs only its few-row path, one
     without AVX-512 neither, and says why."""
-    assert resolve_products(implementation) == want
+    assert backends.resolve("weight_products", implementation) == want
     assert (build.amx_unavailable() is None) == AMX
     assert (build.products_unavailable() is None) == (AMX or AVX512)
     if not AMX:  # the model's matmul runs more rows in XLA instead
@@ -195,6 +195,7 @@ def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
     from models_fixtures import hf_weights, model_weights, tiny_config
 
     from hisparse_jax.models import engine as eng
+    from hisparse_jax.models import kv
     from hisparse_jax.models.llama import Llama
     cfg = tiny_config()
     model = Llama(cfg, model_weights(cfg, hf_weights(cfg)))
@@ -207,8 +208,8 @@ def test_the_engine_decodes_on_the_kernel_with_xlas_numbers(attention):
         for slot, n in enumerate([40, 270, 290]):  # 64 rows (the kernel's), 512 (XLA's)
             e.prefill(slot, prompt[:n])
             logits.setdefault(products + "-prefill", []).append(np.asarray(e.logits))
-        hlo = eng._decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
-                                jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
+        hlo = kv.decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
+                               jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
         assert ("hisparse_matmul" in hlo) == (products == "cpu")
         steps = [np.asarray(e.decode_step()) for _ in range(4)]
         logits[products] = (steps, np.asarray(e.logits))
@@ -314,6 +315,7 @@ def test_the_engine_decodes_from_gguf_blocks_with_the_bf16_numbers(tmp_path, att
     from models_fixtures import hf_weights, tiny_config, write_gguf
 
     from hisparse_jax.models import engine as eng
+    from hisparse_jax.models import kv
     from hisparse_jax.models.gguf_loader import load_gguf
     from hisparse_jax.models.llama import Llama
     cfg = tiny_config(vocab_size=320)  # a tileable embedding
@@ -330,8 +332,8 @@ def test_the_engine_decodes_from_gguf_blocks_with_the_bf16_numbers(tmp_path, att
                        budget_tokens=64)
         for slot, n in enumerate([40, 270, 290]):
             e.prefill(slot, prompt[:n])
-        hlo = eng._decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
-                                jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
+        hlo = kv.decode.lower(e.params, e.caches, jnp.asarray(e.tokens), jnp.asarray(e.lens),
+                               jnp.ones(3, bool), e._samp(), **e._static(), n=3).as_text()
         assert ("hisparse_matmul_blocks" in hlo) == (name == "blocks")
         runs[name] = [(np.asarray(e.decode_step()), np.asarray(e.logits)) for _ in range(4)]
     for (ta, la), (tb, lb) in zip(runs["blocks"], runs["bf16"]):

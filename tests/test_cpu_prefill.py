@@ -22,7 +22,7 @@ import pytest
 from helpers import AMX, AVX512, PRODUCT_PATHS
 
 from cpu_kernels import build, ops, reference
-from hisparse_jax.config import resolve_prefill
+from hisparse_jax import backends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ KERNEL = AMX or AVX512  # where the kernel runs, on one path or the other
 def test_which_prefill_runs(implementation, head_dim, want):
     """The kernel where it can run (the default, and with the decode kernels), XLA's
     blocks everywhere else; a CPU with neither AMX nor AVX-512 says why."""
-    assert resolve_prefill(implementation, head_dim) == want
+    assert backends.resolve("causal_attention", implementation, head_dim=head_dim) == want
     why = build.causal_unavailable()
     assert (why is None) == KERNEL
     if not KERNEL:

@@ -31,6 +31,7 @@ from hisparse_jax.attention import selection
 from hisparse_jax.cache import state as st
 from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.lookup import reference as lookup_ref
+from pallas_kernels.sparse_decode import reference as decode_ref
 from tests.test_kernels import LOOKUP_CASES, LookupCase, make_lookup
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or build.unavailable() is not None,
@@ -241,7 +242,7 @@ def test_rerank_keeps_the_pages_xla_keeps(floor, weight, sharp):
         q, int4_k, center, radius, slots, raw, wl = _rerank_case(seed, c=c, sharp=sharp)
         lens = jnp.asarray([3000, 1999, 4000], jnp.int32)
         cand = slots[..., :c]
-        logits = att.decode_ref.weighted_logits(raw[:, :, :, :c], cand, None, scale)
+        logits = decode_ref.weighted_logits(raw[:, :, :, :c], cand, None, scale)
         bound = att.candidate_bounds(q, int4_k, center, radius, cand)
         want = att.rerank(cfg, logits, lens, bound=bound if floor < 1 else None,
                           window_lse=wl)

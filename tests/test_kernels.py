@@ -366,12 +366,38 @@ def test_sparse_decode_cross_lowers_for_h200(page, head_dim, group):
     assert_triton(txt, 3)  # bf16, fp8 and int4 parts
 
 
-def test_attention_uses_these_kernels():
-    from hisparse_jax.attention import selection
+def test_attention_uses_these_kernels(monkeypatch):
+    """implementation="pallas" runs these kernels: each replaced by a spy that
+    records the call and returns its reference's result (the same signature)."""
+    from hisparse_jax import backends
+    from hisparse_jax.attention import decode_attention
+    from hisparse_jax.cache.handle import HiSparseCache
     from hisparse_jax.config import HiSparseConfig
-    scores, decode = selection._ops("pallas", HiSparseConfig())
-    assert scores is lookup_kernel.page_scores
-    assert decode is decode_kernel.sparse_decode
+    called = []
+
+    def spy(name, reference):
+        def fn(*args, interpret=None, **kwargs):
+            called.append(name)
+            return reference(*args, **kwargs)
+        return fn
+
+    assert {op for op, names in backends.registered().items() if "pallas" in names} >= {
+        "page_scores", "attend_cold", "tier_encoders"}
+    cfg = HiSparseConfig(num_kv_heads=2, gqa_group=2, head_dim=64, max_context=2048,
+                         budget_tokens=128, max_seqs=1)
+    rng = np.random.default_rng(0)
+    cache = HiSparseCache(cfg, "xla")
+    k, v = (rng.normal(size=(1500, 2, 64)).astype(np.float32) for _ in range(2))
+    cache.prefill(0, k, v)
+    q = jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.float32)
+    want = decode_attention(cfg, cache.state, q, implementation="xla")
+    monkeypatch.setattr(lookup_kernel, "page_scores", spy("lookup", lookup_ref.page_scores))
+    monkeypatch.setattr(decode_kernel, "sparse_decode", spy("decode", decode_ref.sparse_decode))
+    jax.clear_caches()
+    got = decode_attention(cfg, cache.state, q, implementation="pallas")
+    jax.clear_caches()
+    assert sorted(set(called)) == ["decode", "lookup"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def _cold_only_expected(args, sm_scale):

@@ -14,8 +14,9 @@ import pytest
 from helpers import AMX
 from models_fixtures import bf16, hf_weights, model_weights, reference_logits, tiny_config
 
-from hisparse_jax.config import resolve_products
+from hisparse_jax import backends
 from hisparse_jax.models import engine as eng
+from hisparse_jax.models import kv
 from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import (
     Llama,
@@ -58,7 +59,7 @@ def test_matmul_of_a_row_does_not_depend_on_the_batch(rows, shape, products):
     of one row differed from the same row in a 16-row batch), in XLA and on the
     kernel, and the kernel's equals XLA's on AMX (on AVX-512 it sums in another
     order: within float32's rounding). Weights [out, in]; a stacked layer too."""
-    if products == "cpu" and resolve_products(None) != "cpu":
+    if products == "cpu" and backends.resolve("weight_products") != "cpu":
         pytest.skip("the product kernels do not run here")
     rng = np.random.default_rng(rows)
     w = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
@@ -279,20 +280,20 @@ def test_one_program_per_shape(tiny):
     e = Engine(tiny, max_seqs=2, max_context=64, attention="hisparse")
     e.prefill(0, [1, 2, 3, 4, 5])
     e.prefill(1, list(range(9, 20)))  # 5 and 11 tokens share the 64-token program
-    n_prefill = eng._prefill._cache_size()
+    n_prefill = kv.prefill._cache_size()
     caches = e.caches
-    n_decode = eng._decode._cache_size()
+    n_decode = kv.decode._cache_size()
     e.decode_step()
     assert caches.bf16_k.is_deleted()  # donated: updated in place
     e.decode_step(np.array([True, False]))
     assert e.decode_widths() == [1, 2]
-    assert eng._decode._cache_size() == n_decode + 2  # one program per width
+    assert kv.decode._cache_size() == n_decode + 2  # one program per width
     n_decode += 2
     for active in ([True, False], [False, True], [True, True]):
         e.decode_step(np.array(active))
-    assert eng._decode._cache_size() == n_decode
+    assert kv.decode._cache_size() == n_decode
     e.prefill(0, [7] * 13)
-    assert eng._prefill._cache_size() == n_prefill
+    assert kv.prefill._cache_size() == n_prefill
     assert eng.prefill_length(5) == 64 and eng.prefill_length(700) == 1024
     # the fill's padded length: powers of two past a block, capped at the staging buffer
     for n, context, want in [(5, 8192, 64), (600, 8192, 1024), (1100, 2048, 2048),

@@ -9,11 +9,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hisparse_jax import backends
 from hisparse_jax.attention.selection import (
     _RERANK_KEY,
     TAIL_UNIFORM_SHARE,
     _offsets,
-    _ops,
     _systematic,
     group_queries,
     head_sum,
@@ -22,8 +22,14 @@ from hisparse_jax.attention.selection import (
     row_sum,
     select,
 )
-from hisparse_jax.cache.state import CacheState, append_layer, layer_view, slot_positions
-from hisparse_jax.config import HiSparseConfig, resolve_implementation
+from hisparse_jax.cache.state import (
+    WINDOW_FIELDS,
+    CacheState,
+    append_layer,
+    layer_view,
+    slot_positions,
+)
+from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.quant.reference import INT4_LEVELS
 from pallas_kernels.sparse_decode import reference as decode_ref
 
@@ -229,65 +235,91 @@ def _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation,
     if sample is None:
         sample = jnp.zeros(logical.shape[:2] + (0,), jnp.int32)
         sample_logw = jnp.zeros(sample.shape, jnp.float32)
-    tiers, layer = stacked or (state, None)
-    cold = tuple(getattr(tiers, f) for f in COLD_FIELDS)
+    cold = tuple(getattr(state, f) for f in COLD_FIELDS)
     out, kept = attend_cold_slots(cfg, state, q, cold, pool_pages(state.page_table, logical),
-                                  pool_pages(state.page_table, sample), sample_logw, layer,
-                                  tiers if stacked else None, implementation=implementation)
+                                  pool_pages(state.page_table, sample), sample_logw, stacked,
+                                  implementation=implementation)
     return out, take_or_none(logical, kept)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold: tuple,
                       slots: jax.Array, sample_slots: jax.Array, sample_logw: jax.Array,
-                      layer=None, stacked: CacheState | None = None, *, implementation=None):
+                      stacked=None, *, implementation=None):
     """Decode attention whose cold pages are read from `cold` (arrays laid out like
     the state's pool, COLD_FIELDS order): the candidates at `slots` [B, Hkv, C]
     (-1 = none), re-ranked down to `cfg.budget_pages` (`rerank`) when there are
     more, and the sampled pages at `sample_slots` [B, Hkv, n], each weighted by
     exp(sample_logw) [B, Hkv, n]. `cold` is the state's own pool, or an offload
-    working set. With `layer`, `cold` is a layer-stacked pool and `stacked` the
-    layer-stacked state that `state` is a view of: the "cpu" kernels read that
-    layer of both in place (a custom call's operand cannot be a slice, and XLA
-    would copy the layer's pool for one); the others slice them.
+    working set. stacked: (the layer-stacked state that `state` and its pool
+    `cold` are a layer of, the layer), for implementations that read them in
+    place (an FFI operand cannot be a slice, and XLA would copy the layer's pool
+    for one); the others read `state` and `cold`.
 
     -> (out [B, Hq, D] float32, NaN for poisoned sequences; kept [B, Hkv, min(C, K)]:
     the attended candidates, as indices into `slots`, -1 = none)."""
     out, kept = _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw,
-                                   layer, stacked, implementation)
+                                   stacked, implementation)
     return jnp.where(state.poisoned[:, None, None], jnp.nan, out), kept
 
 
-def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, layer, stacked,
+def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, stacked,
                        implementation):
-    impl = resolve_implementation(implementation, cfg)
-    if layer is not None and (impl != "cpu" or stacked is None):
-        cold, layer, stacked = tuple(a[layer] for a in cold), None, None  # sliced in gathers
+    backend = backends.resolve("attend_cold", implementation, cfg=cfg)
     # Without a tail sample the weights are constant zeros inside decode_attention's
     # jit, and XLA folds `logits + 0` into a different op order than the offload
     # path, which passes them at run time; the barrier keeps both bit-equal.
     sample_logw = jax.lax.optimization_barrier(sample_logw)
     bf16_pos, fp8_pos = slot_positions(cfg, state.seq_lens)
     qg = group_queries(cfg, q).astype(jnp.float32)
-    tiers = state if stacked is None else stacked  # stacked: the "cpu" kernels' in place
-    window = (qg, tiers.bf16_k, tiers.bf16_v, bf16_pos >= 0, tiers.fp8_k, tiers.fp8_v,
-              tiers.fp8_k_scale, tiers.fp8_v_scale, fp8_pos >= 0)
+    valid = (bf16_pos >= 0, fp8_pos >= 0)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    if impl == "cpu":
-        return _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw,
-                           layer, sm_scale)
+    return backends.kernel("attend_cold", backend)(cfg, state, qg, valid, cold, slots,
+                                                   sample_slots, sample_logw, stacked, sm_scale)
+
+
+def _window(tiers, qg, valid):
+    """The window's arguments of `decode_ref.window_parts` from `tiers` (a state)."""
+    return (qg, tiers.bf16_k, tiers.bf16_v, valid[0], tiers.fp8_k, tiers.fp8_v,
+            tiers.fp8_k_scale, tiers.fp8_v_scale, valid[1])
+
+
+@backends.register("attend_cold", "xla")
+def _attend_cold_reference(cfg, state, qg, valid, cold, slots, sample_slots, sample_logw,
+                           stacked, sm_scale):
+    return _attend_cold_jnp(cfg, state, qg, valid, cold, slots, sample_slots, sample_logw,
+                            sm_scale, decode_ref.sparse_decode, reuse_logits=True)
+
+
+@backends.register("attend_cold", "pallas", why_not=backends.pallas_why_not)
+def _attend_cold_pallas(cfg, state, qg, valid, cold, slots, sample_slots, sample_logw,
+                        stacked, sm_scale):
+    """The re-rank in XLA, the attention in the Pallas kernel (which reads the
+    attended pages' keys again)."""
+    from pallas_kernels.sparse_decode import kernel
+    return _attend_cold_jnp(cfg, state, qg, valid, cold, slots, sample_slots, sample_logw,
+                            sm_scale, kernel.sparse_decode, reuse_logits=False)
+
+
+def _attend_cold_jnp(cfg, state, qg, valid, cold, slots, sample_slots, sample_logw, sm_scale,
+                     sparse_decode, reuse_logits: bool):
+    """`attend_cold_slots` with the re-rank in XLA and `sparse_decode` attending.
+    reuse_logits: the attended pages' logits are taken from the re-rank's (XLA),
+    else `sparse_decode` reads their keys again (a kernel)."""
+    window = _window(state, qg, valid)
+    b = qg.shape[0]
+    out_shape = (b, cfg.num_q_heads, cfg.head_dim)
     c = slots.shape[-1]
     if c <= cfg.budget_pages:  # every candidate is attended
         kept = jnp.where(slots >= 0, jnp.arange(c, dtype=jnp.int32), -1)
         ids = jnp.concatenate([slots, sample_slots], axis=-1)
         logw = jnp.concatenate([jnp.zeros(slots.shape, jnp.float32), sample_logw], axis=-1)
-        out = _ops(impl, cfg)[1](*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
-        return out.reshape(q.shape), kept
+        out = sparse_decode(*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
+        return out.reshape(out_shape), kept
     int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
     # Candidates and sample in one list: for XLA one gather and dot for both.
     listed = jnp.concatenate([slots, sample_slots], axis=-1)
-    raw = decode_ref.cold_logits(qg, int4_k, center, radius,
-                                 slots if impl == "pallas" else listed)
+    raw = decode_ref.cold_logits(qg, int4_k, center, radius, listed if reuse_logits else slots)
     cand_logits = decode_ref.weighted_logits(raw[:, :, :, :c], slots, None, sm_scale)
     floor = {}
     if cfg.quest_floor_mass < 1 or cfg.rerank_weight == "mass":
@@ -302,24 +334,31 @@ def _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw, la
     ids = take_or_none(listed, picked)
     logw = jnp.concatenate([jnp.zeros(kept.shape, jnp.float32), drawn_logw, sample_logw],
                            axis=-1)
-    if impl == "pallas":  # the kernel reads the attended pages' keys again
-        out = _ops(impl, cfg)[1](*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
-        return out.reshape(q.shape), kept
-    # XLA: the attended pages' logits are reused, not recomputed.
+    if not reuse_logits:
+        out = sparse_decode(*window, *cold, ids, sm_scale=sm_scale, cold_logw=logw)[0]
+        return out.reshape(out_shape), kept
     logits = decode_ref.weighted_logits(
         jnp.take_along_axis(raw, jnp.maximum(picked, 0)[:, :, None, :, None], axis=3),
         ids, logw, sm_scale)
     parts = decode_ref.window_parts(*window, sm_scale)
     parts.append(decode_ref.attend_cold_logits(logits, int4_v, int4_v_scale, int4_v_zero, ids))
-    return decode_ref.merge_parts(parts)[0].reshape(q.shape), kept
+    return decode_ref.merge_parts(parts)[0].reshape(out_shape), kept
 
 
-def _attend_cpu(cfg, state, qg, window, cold, slots, sample_slots, sample_logw, layer,
-                sm_scale):
-    """`_attend_cold_slots` on the C++ kernels (cpu_kernels/): the window's softmax,
-    the listed pages' logits, the re-rank, and one kernel for the
-    rest of the arithmetic (`attend_listed`)."""
+@backends.register("attend_cold", "cpu", why_not=backends.cpu_decode_why_not,
+                   reads_in_place=WINDOW_FIELDS, label="C++")
+def _attend_cold_cpu(cfg, state, qg, valid, cold, slots, sample_slots, sample_logw,
+                     stacked, sm_scale):
+    """`attend_cold_slots` on the C++ kernels (cpu_kernels/): the window's softmax,
+    the listed pages' logits, the re-rank, and one kernel for the rest of the
+    arithmetic (`attend_listed`). With `stacked`, the kernels read the layer's
+    tiers and pool in the stacked arrays (an FFI operand cannot be a slice, and
+    XLA would copy the layer's pool for one)."""
     from cpu_kernels import ops
+    tiers, layer = stacked or (state, None)
+    if stacked is not None:
+        cold = tuple(getattr(tiers, f) for f in COLD_FIELDS)
+    window = _window(tiers, qg, valid)
     int4_k, int4_v, int4_v_scale, int4_v_zero, center, radius = cold
     [window_part] = ops.window_parts(*window, sm_scale, layer=layer)
     c, n = slots.shape[-1], sample_slots.shape[-1]
@@ -382,10 +421,9 @@ def decode_layer(cfg: HiSparseConfig, stacked: CacheState, layer, q, k, v, activ
     remember its candidates (all a decode step changes besides the append).
     -> (out [B, Hq, D] float32, stacked)."""
     stacked = append_layer(cfg, stacked, layer, k, v, active, implementation=implementation)[0]
-    # The "cpu" kernels read the layer's tiers and pool in the stacked arrays.
-    cpu = resolve_implementation(implementation, cfg) == "cpu"
+    # Implementations that read the layer's tiers and pool in the stacked arrays
+    # take them from `stacked`; the others read the view.
     out, _, after = decode_step(cfg, layer_view(cfg, stacked, layer), q,
-                                implementation=implementation,
-                                stacked=(stacked, layer) if cpu else None)
+                                implementation=implementation, stacked=(stacked, layer))
     return out, stacked.replace(
         last_selected=stacked.last_selected.at[layer].set(after.last_selected))

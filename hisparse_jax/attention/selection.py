@@ -3,7 +3,7 @@ sample the tail (DESIGN.md §2.1).
 
 `implementation=None | "xla" | "pallas" | "cpu"` picks the kernels (None: Pallas
 on a GPU, the C++ kernels of cpu_kernels/ on the CPU, where each takes the cache's
-shapes, XLA otherwise: `resolve_implementation`). All compute the same function;
+shapes, XLA otherwise: `hisparse_jax.backends`). All compute the same function;
 the XLA path is the reference.
 """
 
@@ -15,23 +15,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hisparse_jax import backends
 from hisparse_jax.cache.state import CacheState
-from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, resolve_implementation
+from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
 from pallas_kernels.lookup import reference as lookup_ref
 from pallas_kernels.sparse_decode import reference as decode_ref
-
-
-def _ops(implementation, cfg: HiSparseConfig):
-    """(page_scores, sparse_decode) for an implementation name."""
-    impl = resolve_implementation(implementation, cfg)
-    if impl == "pallas":
-        from pallas_kernels.lookup import kernel as lookup_kernel
-        from pallas_kernels.sparse_decode import kernel as decode_kernel
-        return lookup_kernel.page_scores, decode_kernel.sparse_decode
-    if impl == "cpu":
-        from cpu_kernels import ops
-        return ops.page_scores, ops.sparse_decode
-    return lookup_ref.page_scores, decode_ref.sparse_decode
 
 
 def group_queries(cfg: HiSparseConfig, q: jax.Array) -> jax.Array:
@@ -97,15 +85,30 @@ def _first_argmax(x):
 
 
 def _page_scores(cfg, state, q, implementation, stacked):
-    """(bound, mass) of `lookup_ref.page_scores`. The "cpu" kernel reads the digests
-    of a layer-stacked state in place (stacked: see `_attend_logical`)."""
-    page_scores, _ = _ops(implementation, cfg)
-    qg = group_queries(cfg, q)
-    if resolve_implementation(implementation, cfg) == "cpu":
-        digests, layer = stacked or (state, None)
-        return page_scores(qg, digests.digest_center, digests.digest_radius,
-                           state.page_table, layer=layer)
-    return page_scores(qg, state.digest_center, state.digest_radius, state.page_table)
+    """(bound, mass) of `lookup_ref.page_scores`. stacked: see `_attend_logical`."""
+    backend = backends.resolve("page_scores", implementation, cfg=cfg)
+    return backends.kernel("page_scores", backend)(group_queries(cfg, q), state,
+                                                    stacked or (state, None))
+
+
+@backends.register("page_scores", "xla")
+def _page_scores_reference(qg, view, stacked):
+    return lookup_ref.page_scores(qg, view.digest_center, view.digest_radius, view.page_table)
+
+
+@backends.register("page_scores", "pallas", why_not=backends.pallas_why_not)
+def _page_scores_pallas(qg, view, stacked):
+    from pallas_kernels.lookup import kernel
+    return kernel.page_scores(qg, view.digest_center, view.digest_radius, view.page_table)
+
+
+@backends.register("page_scores", "cpu", why_not=backends.cpu_decode_why_not)
+def _page_scores_cpu(qg, view, stacked):
+    """Reads the digests of a layer-stacked state in place."""
+    from cpu_kernels import ops
+    digests, layer = stacked
+    return ops.page_scores(qg, digests.digest_center, digests.digest_radius, view.page_table,
+                           layer=layer)
 
 
 def _select(cfg, state, q, implementation, stacked=None):
@@ -141,11 +144,26 @@ def _rank(cfg, state, bound, mass, implementation):
     # its bounds are peaked, or always (quest_lead); see below.
     extra = (jnp.maximum(_peak_pages(cfg, bound, k) if peak else 0, lead)
              if peak or lead else None)
-    if resolve_implementation(implementation, cfg) == "cpu":  # the same pages, in C++
-        from cpu_kernels import ops
-        lead_pages = jnp.broadcast_to(0 if extra is None else extra, bound.shape[:2])
-        return ops.rank_pages(bound, ranked, state.page_table, lead_pages, per_head=per_head,
-                              k=k, quest=extra is not None)
+    backend = backends.resolve("rank_pages", implementation, cfg=cfg)
+    return backends.kernel("rank_pages", backend)(cfg, state, bound, ranked, extra, per_head, k,
+                                                  peak, lead)
+
+
+@backends.register("rank_pages", "cpu", why_not=backends.cpu_decode_why_not)
+def _rank_pages_cpu(cfg, state, bound, ranked, extra, per_head, k, peak, lead):
+    """`_rank_pages_reference`'s pages, in C++ (cpu_kernels/selection.cc)."""
+    from cpu_kernels import ops
+    lead_pages = jnp.broadcast_to(0 if extra is None else extra, bound.shape[:2])
+    return ops.rank_pages(bound, ranked, state.page_table, lead_pages, per_head=per_head,
+                          k=k, quest=extra is not None)
+
+
+@backends.register("rank_pages", "xla")
+def _rank_pages_reference(cfg, state, bound, ranked, extra, per_head, k, peak, lead):
+    """The candidates from the scores (`_rank`): bound pages per head and the pages
+    beside each head's top one, plain Quest's top pages first where `extra` says,
+    then the best estimated group mass (`ranked`), k in all, in page order."""
+    mass = ranked
     top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
     # Spans (needles) are not page-aligned: the pages either side of each head's
     # top bound page often hold the span's tail, whose few tokens neither the bound
@@ -317,15 +335,28 @@ def sample_tail(cfg: HiSparseConfig, mass: jax.Array, pages: jax.Array, seq_lens
     log weights [B, Hkv, n] f32, 0 where none). The "cpu" implementation draws
     in C++ (`cpu_kernels.ops.sample_tail`)."""
     n = cfg.sample_pages
-    b, h, npg = mass.shape
+    b, h = mass.shape[:2]
     if n == 0:
         return jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), jnp.float32)
     n_u = round(n * TAIL_UNIFORM_SHARE)
     n_s = n - n_u
-    if resolve_implementation(implementation, cfg) == "cpu":
-        from cpu_kernels import ops
-        return ops.sample_tail(mass, pages, _offsets(cfg, seq_lens, _TAIL_KEY, (2, h)),
-                               n_u=n_u, n_s=n_s)
+    backend = backends.resolve("sample_tail", implementation, cfg=cfg)
+    return backends.kernel("sample_tail", backend)(cfg, mass, pages, seq_lens, n_u, n_s)
+
+
+@backends.register("sample_tail", "cpu", why_not=backends.cpu_decode_why_not)
+def _sample_tail_cpu(cfg, mass, pages, seq_lens, n_u, n_s):
+    """`_sample_tail_reference`'s draws, in C++ (`cpu_kernels.ops.sample_tail`)."""
+    from cpu_kernels import ops
+    h = mass.shape[1]
+    return ops.sample_tail(mass, pages, _offsets(cfg, seq_lens, _TAIL_KEY, (2, h)),
+                           n_u=n_u, n_s=n_s)
+
+
+@backends.register("sample_tail", "xla")
+def _sample_tail_reference(cfg, mass, pages, seq_lens, n_u, n_s):
+    b, h, npg = mass.shape
+    n = n_u + n_s
     cand = mass > -jnp.inf  # NaN estimates (NaN keys) are never drawn
     free = cand.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
                    jnp.where(pages >= 0, pages, npg)].set(False, mode="drop")

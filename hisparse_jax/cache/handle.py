@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.attention import decode_step
+from hisparse_jax.backends import resolve_implementation
 from hisparse_jax.cache import layout
 from hisparse_jax.cache import state as st
 from hisparse_jax.cache.prefix import PrefixIndex
-from hisparse_jax.config import HiSparseConfig, resolve_implementation
+from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.validate import check_bool_mask, check_token_ids, is_int
 
 FLOAT_DTYPES = (np.float16, np.float32, jnp.bfloat16)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from hisparse_jax.config import HiSparseConfig, resolve_implementation
+from hisparse_jax import backends
+from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.quant import FP8_DTYPE, decode_fp8
 from pallas_kernels.quant import reference as quant_ref
 
@@ -118,10 +119,25 @@ def num_cold_pages(cfg: HiSparseConfig, length):
 def _encoders(implementation, cfg: HiSparseConfig):
     """(encode_fp8, encode_cold_keys, encode_cold_values): Pallas kernels or the
     references (bit-identical; tests/test_kernels.py)."""
-    if resolve_implementation(implementation, cfg) == "pallas":
-        from pallas_kernels.quant import kernel
-        return kernel.encode_fp8, kernel.encode_cold_keys, kernel.encode_cold_values
+    return backends.kernel("tier_encoders", backends.resolve("tier_encoders", implementation,
+                                                             cfg=cfg))()
+
+
+@backends.register("tier_encoders", "xla")
+def _reference_encoders():
     return quant_ref.encode_fp8, quant_ref.encode_cold_keys, quant_ref.encode_cold_values
+
+
+@backends.register("tier_encoders", "pallas", why_not=backends.pallas_why_not)
+def _pallas_encoders():
+    from pallas_kernels.quant import kernel
+    return kernel.encode_fp8, kernel.encode_cold_keys, kernel.encode_cold_values
+
+
+@backends.register("tier_encoders", "cpu", why_not=backends.cpu_decode_why_not)
+def _cpu_encoders():
+    """The C++ kernels fill no tiers: a cache for them is filled by the references."""
+    return _reference_encoders()
 
 
 # What offload mode stores per cold page (the digest stays on the device).

@@ -85,7 +85,7 @@ def _eval_config(args):
 
 
 def cmd_eval(args):
-    from hisparse_jax.config import resolve_implementation
+    from hisparse_jax.backends import resolve_implementation
     from hisparse_jax.harness.evaluation import config_for, evaluate
     cfg = _eval_config(args)
     for b in args.oracle_budgets or ():

@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 
+from hisparse_jax import backends
+from hisparse_jax.backends import resolve_implementation
 from hisparse_jax.cli.args import (
     budget_tokens,
     int_at_least,
@@ -17,7 +19,7 @@ from hisparse_jax.cli.args import (
     number,
     positive_int,
 )
-from hisparse_jax.config import default_budget_tokens, resolve_implementation
+from hisparse_jax.config import default_budget_tokens
 
 log = logging.getLogger("hisparse.serve")
 # Under --tpot-slo-ms, prompts whose first tokens may wait for each other, so that
@@ -85,10 +87,7 @@ def build_state(cfg):
                         "with fault_nan_kv_after): for tests only", name)
         kernels = ("" if engine.cache_cfg is None else
                    f", {resolve_implementation(engine.implementation, engine.cache_cfg)} kernels")
-        prefill = "XLA"
-        if engine.prefill_implementation == "cpu":
-            from cpu_kernels.build import causal_path
-            prefill = f"the CPU kernel, {causal_path()}"
+        prefill = backends.describe("causal_attention", engine.prefill_implementation)
         log.info("%s: compiling (%s attention%s; exact prefill on %s) ...", name,
                  cfg.attention, kernels, prefill)
         log.info("%s: compiled in %.1f s", name, engine.warmup())

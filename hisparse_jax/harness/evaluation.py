@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.attention import attend_pages, decode_attention, dense_decode_attention
+from hisparse_jax.backends import resolve_implementation
 from hisparse_jax.cache import layout
 from hisparse_jax.cache.handle import HiSparseCache
 from hisparse_jax.cache.state import slot_positions
-from hisparse_jax.config import FULL_BUDGET, HiSparseConfig, resolve_implementation
+from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
 
 
 def config_for(cfg: HiSparseConfig, k: np.ndarray, gqa_group: int) -> HiSparseConfig:

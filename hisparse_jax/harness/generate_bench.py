@@ -67,7 +67,7 @@ def fill_slots(engine, ids) -> tuple[float, float]:
 
 def measure(model, ids, attention: str, batch: int, decode: int, budget_tokens: int,
             rerank_multiple: float | None = None, implementation: str | None = None) -> dict:
-    from hisparse_jax.config import resolve_implementation
+    from hisparse_jax.backends import resolve_implementation
     from hisparse_jax.models.engine import Engine
     context = len(ids)
     over = {} if rerank_multiple is None else {"rerank_multiple": rerank_multiple}

@@ -29,12 +29,14 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.attention import pool_pages, sample_tail
+from hisparse_jax.backends import REFERENCE
 from hisparse_jax.config import HiSparseConfig
 from pallas_kernels.lookup import kernel as lookup_kernel
 from pallas_kernels.lookup import reference as lookup_ref
@@ -43,7 +45,23 @@ from pallas_kernels.sparse_decode import reference as decode_ref
 
 PEAK_BYTES_PER_S = 4.3e12  # measured copy ceiling of the H200
 INT32_LIMIT = 2**31 - 1    # Pallas Triton pool offsets are int32
-IMPLS = ("pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelImpl:
+    """One implementation of the Pallas kernels' pair, as this benchmark runs it:
+    the reference (XLA) is the error baseline and also times dense attention; a
+    kernel runs interpreted off the GPU and reports its tiling."""
+    page_scores: Callable
+    sparse_decode: Callable
+    kernel: bool  # a Pallas kernel (takes interpret=, has a tiling and a tolerance)
+
+
+KERNEL_IMPLS = {
+    "pallas": KernelImpl(lookup_kernel.page_scores, decode_kernel.sparse_decode, kernel=True),
+    REFERENCE: KernelImpl(lookup_ref.page_scores, decode_ref.sparse_decode, kernel=False),
+}
+IMPLS = tuple(KERNEL_IMPLS)
 OPS = ("lookup", "sparse_decode", "step", "dense")
 # Largest relative difference (vs the largest |reference| value) a Pallas op may
 # show against its XLA reference: f32 outputs with the default bf16x3 dots; page
@@ -313,14 +331,12 @@ def make_ops(dims: dict, impl: str, interpret: bool, bound_share: float | None =
     (out, lse); step (out, cold ids); dense out."""
     sm = 1.0 / math.sqrt(dims["head_dim"])
     k = dims["cold_pages"]
-    if impl == "pallas":
-        scores = functools.partial(lookup_kernel.page_scores, interpret=interpret)
-        decode = functools.partial(decode_kernel.sparse_decode, sm_scale=sm, interpret=interpret)
-    elif impl == "xla":
-        scores = lookup_ref.page_scores
-        decode = functools.partial(decode_ref.sparse_decode, sm_scale=sm)
-    else:
+    if impl not in KERNEL_IMPLS:
         raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+    spec = KERNEL_IMPLS[impl]
+    flags = {"interpret": interpret} if spec.kernel else {}
+    scores = functools.partial(spec.page_scores, **flags)
+    decode = functools.partial(spec.sparse_decode, sm_scale=sm, **flags)
 
     def lookup(a):
         return scores(a["q"], a["digest_center"], a["digest_radius"], a["page_table"])
@@ -337,7 +353,7 @@ def make_ops(dims: dict, impl: str, interpret: bool, bound_share: float | None =
 
     ops = {"lookup": jax.jit(lookup), "sparse_decode": jax.jit(sparse_decode),
            "step": jax.jit(step)}
-    if impl == "xla":
+    if impl == REFERENCE:
         from hisparse_jax.attention import dense_decode_attention
 
         @jax.jit
@@ -432,10 +448,10 @@ def _split(text: str, what: str, choices) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _available_memory(backend: str) -> int | None:
+def _available_memory(platform: str) -> int | None:
     """Bytes free for inputs: device memory limit on an accelerator, MemAvailable on a CPU."""
     try:
-        if backend != "cpu":
+        if platform != "cpu":
             stats = jax.devices()[0].memory_stats() or {}
             return int(stats.get("bytes_limit", 0)) or None
         with open("/proc/meminfo") as f:
@@ -545,14 +561,14 @@ def run(p: Plan, *, command: str = "", log=None) -> list[dict]:
         iters = p.iters or (20 if p.backend == "gpu" else 10 if small else 3)
         warmup = p.warmup if p.warmup is not None else (3 if p.backend == "gpu" else
                                                          2 if small else 1)
-        with_dense = "dense" in p.ops and "xla" in p.impls
+        with_dense = "dense" in p.ops and REFERENCE in p.impls
         log(f"[{ci + 1}/{len(p.cases)}] {name}: building inputs "
             f"(~{case_nbytes(case, with_dense) / 2**20:.0f} MiB) ...")
         arrays, dims = make_case(jax.random.PRNGKey(case.context + case.batch), batch=case.batch,
                                  context=case.context, with_dense=with_dense, **case.shapes())
         jax.block_until_ready(arrays)
         ops = {impl: make_ops(dims, impl, p.interpret, case.bound_share) for impl in p.impls}
-        ref_ops = ops.get("xla") or make_ops(dims, "xla", p.interpret, case.bound_share)
+        ref_ops = ops.get(REFERENCE) or make_ops(dims, REFERENCE, p.interpret, case.bound_share)
         if "sparse_decode" in p.ops:  # one selection (XLA), shared by both implementations
             bound, center = ref_ops["lookup"](arrays)
             arrays["cold_ids"], arrays["cold_logw"] = select_with_sample(
@@ -560,12 +576,13 @@ def run(p: Plan, *, command: str = "", log=None) -> list[dict]:
                 case.bound_share)
         refs = {}
         for op in p.ops:
-            for impl in (["xla"] if op == "dense" else p.impls):
+            for impl in ([REFERENCE] if op == "dense" else p.impls):
                 if impl not in ops:
                     continue
                 log(f"  {name} {impl} {op}: compile + {warmup} warm-up + {iters} timed calls ...")
                 out, t = time_fn(ops[impl][op], arrays, iters, warmup)
-                if impl == "xla":
+                kernel = KERNEL_IMPLS[impl].kernel
+                if impl == REFERENCE:
                     refs[op] = out
                     err = ({"max_abs_err": None, "max_rel_err": None} if op == "dense" else
                            {"max_abs_err": 0.0, "max_rel_err": 0.0,
@@ -575,13 +592,13 @@ def run(p: Plan, *, command: str = "", log=None) -> list[dict]:
                         refs[op] = jax.block_until_ready(ref_ops[op](arrays))
                     err = _errors(op, out, refs[op])
                 nbytes = op_bytes(dims, op)
-                tol = TOLERANCE.get(op) if impl == "pallas" else None
+                tol = TOLERANCE.get(op) if kernel else None
                 row = {"case": name, "implementation": impl, "op": op, **dims, **t,
                        "bytes": nbytes, "bytes_per_s": nbytes / t["median_s"], **err,
                        "tolerance": tol,
                        "ok": None if tol is None else bool(err["max_rel_err"] <= tol),
                        **common}
-                if impl == "pallas":
+                if kernel:
                     row["kernel_config"] = kernel_configs(dims, op)
                 if p.backend == "gpu":
                     row["frac_of_peak"] = row["bytes_per_s"] / PEAK_BYTES_PER_S
@@ -613,7 +630,7 @@ def table_rows(rows: list[dict]) -> list[tuple]:
             return "-"
         flag = "" if r.get("ok") in (None, True) else " FAIL"
         return f"{e:.1e}{flag}"
-    return [(r["case"], r["implementation"] + (" (interpret)" if r["implementation"] == "pallas"
+    return [(r["case"], r["implementation"] + (" (interpret)" if "kernel_config" in r
                                                 and r["interpret"] else ""),
              r["op"], f"{r['median_s'] * 1e3:.3f}", f"{r['min_s'] * 1e3:.3f}",
              f"{r['max_s'] * 1e3:.3f}", f"{r['bytes'] / 1e6:.2f}",

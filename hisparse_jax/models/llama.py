@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from cpu_kernels import ops as cpu_ops
+from hisparse_jax import backends
 from hisparse_jax.validate import is_int, is_number
 
 ROPE_KINDS = ("linear", "llama3", "yarn")
@@ -189,7 +190,7 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla",
     """x [..., in] times w [out, in] (layer None) or w[layer] of stacked weights [L,
     out, in], transposed: in bf16, accumulated in float32.
 
-    products="cpu" (`config.resolve_products`): a product of at most
+    products="cpu" (`backends.resolve("weight_products", ...)`): a product of at most
     KERNEL_MAX_ROWS rows (a decode step's, a short prompt's) runs on the kernel,
     which reads a stacked layer where it lies (cpu_kernels/matmul.cc; on AMX tiles,
     or without them on AVX-512 for up to 16 rows); XLA copies the layer out of the
@@ -207,18 +208,30 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla",
     each row alone, in the order of XLA's products of 4 or more rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    return backends.kernel("weight_products", products)(x2, w, layer, blocks).reshape(*lead, -1)
+
+
+@backends.register("weight_products", "cpu", strict=False,
+                   why_not=backends.cpu_kernel_why_not("products_unavailable"))
+def _products_cpu(x2, w, layer, blocks):
+    """`matmul` on the kernel for the row counts it takes, XLA's otherwise."""
     n = x2.shape[0]
-    if products == "cpu" and blocks is not None and n <= BLOCKS_MAX_ROWS:
-        return cpu_ops.matmul_blocks(x2, *blocks, layer).reshape(*lead, -1)
-    if (products == "cpu" and n <= KERNEL_MAX_ROWS
-            and cpu_ops.matmul_unsupported(n, x2.shape[1], w.shape[-2]) is None):
-        return cpu_ops.matmul(x2, w, layer).reshape(*lead, -1)
+    if blocks is not None and n <= BLOCKS_MAX_ROWS:
+        return cpu_ops.matmul_blocks(x2, *blocks, layer)
+    if n <= KERNEL_MAX_ROWS and cpu_ops.matmul_unsupported(n, x2.shape[1], w.shape[-2]) is None:
+        return cpu_ops.matmul(x2, w, layer)
+    return _products_reference(x2, w, layer, blocks)
+
+
+@backends.register("weight_products", "xla")
+def _products_reference(x2, w, layer, blocks):
+    n = x2.shape[0]
     if layer is not None:
         w = w[layer]
     if n < MATMUL_MIN_ROWS:
         x2 = jnp.pad(x2, ((0, MATMUL_MIN_ROWS - n), (0, 0)))
     y = jax.lax.dot_general(x2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y[:n].reshape(*lead, -1)
+    return y[:n]
 
 
 # attend(caches, layer, q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D]) -> (out [..., Hq, D],

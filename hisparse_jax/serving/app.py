@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hisparse_jax.config import IMPLEMENTATIONS, resolve_implementation
+from hisparse_jax.backends import IMPLEMENTATIONS, resolve_implementation
 from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.offload.policy import POLICIES
