@@ -2,7 +2,7 @@
 # main suite in .venv and, beside it, the vLLM bridge's suite in .venv-vllm).
 # .venv: Python 3.12 (jax 0.11 needs >= 3.12), built on first use.
 # .venv-vllm: Python 3.11, vLLM's CPU build, torch (CPU), jax 0.10.2 and hisparse
-# editable, built on first use by bridge/setup_env.sh (docs/vllm.md).
+# editable, built on first use by bridge/setup_env.sh (docs/log/vllm.md).
 PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12 2>/dev/null | head -n 1)
 PYTHON311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && python3.11 -c 'import sys' >/dev/null 2>&1 && echo python3.11 || ls -d $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11 /usr/local/bin/python3.11 2>/dev/null | head -n 1)
 VENV := .venv

@@ -1,7 +1,7 @@
 """Where the engine's decode step spends its time, by operation: a prompt
 prefilled into `--width` slots of an engine of `--slots`, then `--steps` decode
 steps traced with `jax.profiler` and the trace's XLA operations summed by name,
-each FFI call named by its target in the compiled program (docs/serving.md,
+each FFI call named by its target in the compiled program (docs/log/serving.md,
 "Runs 9 and 10": the weight products, the selection's and attention's kernels).
 One JSON line: the steps' wall times untraced, and the --top operations' ms per
 step.

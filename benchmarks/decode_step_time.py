@@ -8,7 +8,7 @@ what one request (or a few) costs in a server of --max-seqs slots:
 
     python benchmarks/decode_step_time.py --context 1000 --max-seqs 8 --active 1,8
 
-Another tree side by side (docs/serving.md, "Decode width"): run the same
+Another tree side by side (docs/log/serving.md, "Decode width"): run the same
 command from a git worktree of it with PYTHONPATH=that worktree, alternating.
 --set FIELD=N ... overrides the cache config (e.g. `--set value_group=32
 hot_tokens=128`, the served tiers before 57b5c15). --pool-scoring-ratio R sets

@@ -5,7 +5,7 @@ width (`Engine.decode_widths`: 1, 2, 4, 8, ..., max_seqs). The server's promise
 that a greedy request gets what it gets served alone rests on slot 0's numbers
 not depending on that width. XLA:CPU sums a row in an order that depends on
 the number of rows and, once a reduction passes ~4,096 elements, on its size
-(docs/serving.md, "Decode width"), so a reduction that grows with the batch
+(docs/log/serving.md, "Decode width"), so a reduction that grows with the batch
 can break it at shapes the tests do not build. This runs one engine per
 width, slot 0 holding the same prompt (the GPL's text) and the other slots
 shorter ones, and prints slot 0's token and the largest logit difference from

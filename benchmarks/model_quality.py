@@ -14,7 +14,7 @@ Each prompt is prefilled once, exactly (a dense engine), and that K/V seeds ever
 HiSparse cache (`Engine.prefill_kv`, bit-equal to their own prefill); then each
 configuration decodes 8 tokens: dense, HiSparse at cold budgets of 1/16 and 1/32
 of the context, and sink + window (no cold page attended: 16 sink tokens and the
-newest 512).
+newest in the bf16 and fp8 windows).
 
 nexttoken: real text from this machine's own files (licence texts and Python's
 own documentation and source; see DOCS), cut to `--tokens` tokens. Teacher

@@ -1,4 +1,4 @@
-"""Host->device traffic of a live offloaded cache during decode (docs/scheduler.md):
+"""Host->device traffic of a live offloaded cache during decode (docs/log/scheduler.md):
 pages fetched for the selection and pages copied for the tail sample, per step
 and KV head, with and without the sample.
 

@@ -3,7 +3,7 @@ against variants of the same online softmax, interleaved, in one run: the layout
 it had before (query blocks [C, Hkv, G, D], so that each block's matmuls
 transposed their operands), the diagonal key block alone masked, bf16 dot inputs
 with float32 accumulation, and other block sizes.
-docs/serving.md quotes its output.
+docs/log/serving.md quotes its output.
 
     .venv/bin/python benchmarks/prefill_attention_variants.py   # 7,680 tokens, SmolLM2's heads
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/prefill_attention_variants.py --model-kl 4096

@@ -1,7 +1,7 @@
 """Where one block of a served prompt's prefill spends its time: a prompt
 prefilled block by block as `hisparse serve` does (`Engine.prefill_chunk`, 8 slots
 of 8,192 tokens), then the block at --start run again under `jax.profiler` and
-the trace's XLA operations summed by name (docs/results.md, "AMX prefill
+the trace's XLA operations summed by name (docs/log/results.md, "AMX prefill
 attention": the kernel, the weight products, and the copies XLA makes per layer).
 One JSON line: the block's wall time untraced and traced, and the --top
 operations' total ms and counts.

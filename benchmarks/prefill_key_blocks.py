@@ -1,5 +1,5 @@
 """What one query block of the exact prefill attention costs on this CPU, by key
-block size and by the queries' precision (docs/serving.md, "Measured"): one
+block size and by the queries' precision (docs/log/serving.md, "Measured"): one
 512-query block of SmolLM2's shape (3 KV heads, 3 query heads each, head_dim 64,
 float32 queries, bf16 keys and values as the staged K/V) over --keys keys, in
 the online softmax of `attention.causal_query_block`, timed for key blocks of

@@ -1,5 +1,5 @@
 """Quantization error and logit range of each head kind over many workload seeds
-(docs/results.md, "Generator fix"): a number measured on one seed is not luck.
+(docs/log/results.md, "Generator fix"): a number measured on one seed is not luck.
 
     python benchmarks/seed_survey.py --context 32768 --seeds 0 1 2 3 4 5 6 7 8 9
 """

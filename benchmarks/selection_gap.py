@@ -1,5 +1,5 @@
 """Where the selection's gap to the oracle comes from, and what closing it
-costs (docs/results.md, "The gap to the oracle"). Selection only: recall of the
+costs (docs/log/results.md, "The gap to the oracle"). Selection only: recall of the
 pages each variant attends, against the oracle under the same budget.
 
     python benchmarks/selection_gap.py --context 131072 --seed 12 --queries 16

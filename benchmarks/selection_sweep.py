@@ -1,4 +1,4 @@
-"""Selection variants on the generated workloads (the tables in docs/results.md).
+"""Selection variants on the generated workloads (the tables in docs/log/results.md).
 
     python benchmarks/selection_sweep.py --context 32768 --seeds 1 2 --bound-shares 0 0.25 0.5 0.75 1
     python benchmarks/selection_sweep.py --context 131072 --seeds 12 --queries 16 \

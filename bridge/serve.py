@@ -5,7 +5,7 @@ loopback interface, by PID (its own process group, so its children go with it).
         srv.base_url  # http://127.0.0.1:PORT
 
 `python -m vllm.entrypoints.openai.api_server` is used because the CPU build's
-`vllm` console script fails (see docs/vllm.md).
+`vllm` console script fails (see docs/log/vllm.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 # than the mark); delete the folder, or bump RECIPE below, to rebuild. `make
 # test-bridge` runs it. About 2-4 min with pip's cache warm.
 # It needs a Python 3.11 interpreter (PYTHON311=/path/to/python3.11 to choose)
-# and PyPI. Why each step is there: docs/vllm.md, "Setting it up".
+# and PyPI. Why each step is there: docs/log/vllm.md, "Setting it up".
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

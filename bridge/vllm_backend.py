@@ -4,7 +4,7 @@
 
     vllm serve MODEL --attention-backend HISPARSE --block-size 16 --no-enable-prefix-caching
 
-What runs where (see docs/vllm.md):
+What runs where (see docs/log/vllm.md):
 - The builder makes one `runtime.StepPlan` per step on the host: which HiSparse
   slot each request lives in, which requests prefill (exact), convert or decode
   (sparse), and at which pool pages (vLLM's block ids) new cold pages go.
@@ -299,7 +299,7 @@ def customize_spec(spec):
 
 # ---------------------------------------------------------------- start-up checks, hooks
 
-# The extra that brings JAX's CUDA build (pyproject.toml; README, docs/vllm.md)
+# The extra that brings JAX's CUDA build (pyproject.toml; README, docs/log/vllm.md)
 CUDA_INSTALL = 'pip install "hisparse[vllm,cuda12]"'
 
 

@@ -19,7 +19,6 @@ pure-jnp reference of the same signature.
 They are compiled with the machine's C++ compiler on first use (`build.py`) and are
 the default on a CPU (`hisparse_jax.backends`, where each
 registers); without a compiler (or AMX, for the prefill and the
-products) the default is the XLA path. Imports
-point one way: hisparse_jax -> cpu_kernels -> pallas_kernels (the references) ->
-jax.
+products) the default is the XLA path. Imports point one way: hisparse_jax ->
+cpu_kernels -> jax; nothing here imports the library.
 """

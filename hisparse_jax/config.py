@@ -16,7 +16,7 @@ def default_budget_tokens(context: int, page_size: int = 16) -> int:
     bridge): a 16th of the context in whole pages, at least 512 and at most 2,048
     tokens. A fixed 2,048 is a quarter of an 8K context: SmolLM2 served 7.5K
     prompts slower than dense attention with it (TPOT 332 against 243 ms, one run)
-    and faster at 512 (163 against 232 ms, another; docs/serving.md, "Measured"),
+    and faster at 512 (163 against 232 ms, another; docs/log/serving.md, "Measured"),
     and 1/16 is the budget its quality was measured at."""
     return min(2048, max(512, context // 16 // page_size * page_size))
 
@@ -42,7 +42,7 @@ class HiSparseConfig:
     value_group: int = 32  # channels sharing one int4 value scale/zero
     # Share of the candidates picked by Quest's upper bound (catches pages with a
     # few spiking keys: needles); the rest goes to the best page-centre scores
-    # (ranks the spread mass of diffuse heads better). docs/results.md measures it:
+    # (ranks the spread mass of diffuse heads better). docs/log/results.md measures it:
     # 0.75 was best before the re-rank, 0.5 with it.
     bound_share: float = 0.5
     # Peaked bounds (issue 14): when a query head's bound sets pages more than
@@ -50,7 +50,7 @@ class HiSparseConfig:
     # with plain Quest's top pages (the group's maximum bound), peak_pages of them
     # per such page, up to all candidates; the re-rank then chooses. Sharp heads
     # whose page Quest ranks high but the split and the centre miss keep it. 0 =
-    # off. docs/results.md ("Sharp heads") measures it.
+    # off. docs/log/results.md ("Sharp heads") measures it.
     peak_pages: int = 3
     peak_z: float = 5.0
     # Plain Quest's own top pages lead every group's candidates, quest_lead x the
@@ -58,37 +58,37 @@ class HiSparseConfig:
     # the peak test says. At rerank_multiple 2 that is Quest's whole set beside
     # the split's picks, so the re-rank's floor (quest_floor_mass) can always hold
     # a sharp head to Quest's mass, in groups without a far page too. 0 = off
-    # (the "model" preset turns it on). docs/results.md ("Sharp heads") measures it.
+    # (the "model" preset turns it on). docs/log/results.md ("Sharp heads") measures it.
     quest_lead: float = 0.0
     # Unselected cold pages sampled per (sequence, KV head) to estimate the
     # attention they would get (importance sampling, weighted by 1/inclusion
     # probability): the mass a 2K-token selection leaves out is estimated instead of
-    # dropped. 0 = off. docs/results.md measures it.
+    # dropped. 0 = off. docs/log/results.md measures it.
     tail_sample_pages: int = 32
     # Re-rank: selection names rerank_multiple x the budget's pages as candidates;
     # the decode attention scores their int4 keys and attends the budget's worth
     # with the most group mass (the digest's page-centre estimate ranks pages
     # only roughly). rerank_sample_pages of the rejected candidates are sampled,
     # weighted like the tail sample, so their mass is estimated, not dropped.
-    # 1 = off. docs/results.md measures it.
+    # 1 = off. docs/log/results.md measures it.
     rerank_multiple: float = 1.25
     rerank_sample_pages: int = 8
     # What the re-rank sums over the group: "share" = each query head's share of
     # its candidates' mass (every head votes alike); "mass" = each head's share of
     # its mass on the window and the candidates (a head whose attention sits in
     # the window votes little; the oracle's objective: the mass attended).
-    # docs/results.md ("Next-token agreement") measures it on real text.
+    # docs/log/results.md ("Next-token agreement") measures it on real text.
     rerank_weight: str = "share"
     # Sharp heads (issue 14): a query head one of whose candidates holds more than
     # quest_floor_mass of its mass on the window and the candidates keeps, in the
     # re-rank, at least the int4 mass plain Quest's pages among the candidates
     # give it, so heads whose mass sits in the window cannot outvote it for its
-    # residual mass. 1 = off. docs/results.md ("Sharp heads") measures it.
+    # residual mass. 1 = off. docs/log/results.md ("Sharp heads") measures it.
     quest_floor_mass: float = 0.5
     # A page the previous decode step selected keeps its place unless a new page
     # scores this much higher (nats, added to its log scores): near-ties at the
     # budget's edge stop flickering from step to step, so offload fetches fewer
-    # pages, at a recall cost below 0.001. 0 = off. docs/scheduler.md measures it.
+    # pages, at a recall cost below 0.001. 0 = off. docs/log/scheduler.md measures it.
     sticky_nats: float = 0.5
     max_context: int = 131072  # tokens per sequence
     max_seqs: int = 1
@@ -247,11 +247,11 @@ PRESETS: dict[str, HiSparseConfig] = {
     # real keys make the digest's first stage weak, so 2x candidates, plain
     # Quest's set among them and the sharp-head floor at 0.4. SmolLM2 at 1/16:
     # next-token KL 0.028 -> under 0.02, no captured sharp head more than 0.0053
-    # below plain Quest (docs/results.md); decode steps about 1.2x longer, which
+    # below plain Quest (docs/log/results.md); decode steps about 1.2x longer, which
     # is why the attention-only default stays 1.25x (5x dense at 128K).
     # Its bytes: one value scale/zero per 64 channels and a 64-token bf16 window put
     # a served 7.5K sequence at 3.01x bf16's bytes (2.84x with 32 and 128); next-token
-    # KL at 1/16 0.0165 -> 0.0182, top-1 0.938 -> 0.936 (docs/serving.md, "KV memory at 7.5K: 3x").
+    # KL at 1/16 0.0165 -> 0.0182, top-1 0.938 -> 0.936 (docs/log/serving.md, "KV memory at 7.5K: 3x").
     "model": HiSparseConfig(rerank_multiple=2.0, quest_lead=1.0, quest_floor_mass=0.4,
                             value_group=64, hot_tokens=64),
 }

@@ -41,7 +41,7 @@ CASES = [
     (["bench", "generate", "--budget-tokens", "17"], "--budget-tokens 17: must be a multiple"),
     (["bench", "generate", "--batch", "0"], "argument --batch: every value must be >= 1"),
     (["bench", "generate", "--implementation", "cuda"],
-     "argument --implementation: unknown 'cuda'; choose from pallas, cpu, xla"),
+     "argument --implementation: unknown 'cuda'; choose from xla, pallas, cpu"),
     (["serve", "--implementation", "cuda"], "argument --implementation: invalid choice: 'cuda'"),
     # --rope-scaling is checked before the model loads
     (["generate", "--prompt", "hi", "--rope-scaling", "foo:2"],

@@ -37,7 +37,7 @@ def test_concentrated_heads(case):
     # same budget: what is left is mass no 2K-token selection can reach here.
     assert s["recall_vs_oracle"] >= 0.98
     # Measured 0.9667 / 0.9503 at 32K / 128K (the oracle: 0.9684 / 0.9530); without
-    # the re-rank 128K gave 0.9486 (docs/results.md).
+    # the re-rank 128K gave 0.9486 (docs/log/results.md).
     assert s["recall_mean"] >= 0.95
     # The mass left out is estimated from a sample of the unselected pages
     # (measured 0.016 / 0.020 at 32K / 128K); selection alone cannot get there,
@@ -76,7 +76,7 @@ def test_quantization_alone(case):
 def test_mixed_kind_groups():
     """Trained models mix head kinds within a GQA group. The shared selection then
     favours the concentrated heads: diffuse ones get ~0.80 of the oracle's recall
-    at 32K (docs/results.md, "Mixed GQA groups"). The concentrated heads keep
+    at 32K (docs/log/results.md, "Mixed GQA groups"). The concentrated heads keep
     their thresholds, every needle is found, and the tail estimate keeps the
     diffuse heads' output error near the same-kind figure (measured 0.128 here,
     0.125 with same-kind groups, 0.288 without the tail estimate)."""

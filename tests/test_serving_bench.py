@@ -167,7 +167,7 @@ def test_request_rate_inf_is_the_default_spelled_out():
     import argparse
     import math
 
-    from hisparse_jax.harness.serve_bench import add_arguments
+    from hisparse_jax.cli.bench_serve import add_arguments
     p = add_arguments(argparse.ArgumentParser())
     assert p.parse_args(["--request-rate", "inf"]).request_rate == math.inf
     assert p.parse_args([]).request_rate == math.inf

@@ -443,7 +443,7 @@ def test_bench_datasets(model):
     moves them a little), the lognormal-bimodal output mix, the shared prefix."""
     import argparse
 
-    from hisparse_jax.harness.serve_bench import add_arguments, build_jobs
+    from hisparse_jax.cli.bench_serve import add_arguments, build_jobs
     tok = model[1]
     p = argparse.ArgumentParser()
     add_arguments(p)

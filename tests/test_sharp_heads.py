@@ -24,7 +24,7 @@ SHARP_MASS = 0.5  # a head is sharp when one cold page holds more than this
 # Once both attend a sharp head's page, the rest of its recall is residual mass
 # (a few thousandths) that the re-rank shares out by group mass and Quest by the
 # bound; measured at most 0.0032 below Quest over 72 sharp heads (seeds 0-5,
-# GQA 1, 3, 4; docs/results.md, "Sharp heads").
+# GQA 1, 3, 4; docs/log/results.md, "Sharp heads").
 RESIDUAL = 0.005
 
 # (GQA group, KV heads, context, seed, kinds per query head of a group, how many

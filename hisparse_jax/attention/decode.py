@@ -162,7 +162,7 @@ def candidate_bounds(q: jax.Array, int4_k: jax.Array, digest_center: jax.Array,
     (the codes' min and max). That range is within half a quantization step of the
     keys' own, so this orders pages closer to plain Quest over the exact keys than
     the digest's range, which is wider (its e4m3 radius is rounded up, by up to
-    1/8): with it the floor protected the wrong edge pages (docs/results.md).
+    1/8): with it the floor protected the wrong edge pages (docs/log/results.md).
     At the budget's edge the order can still differ from exact Quest's."""
     return _bounds(q, *candidate_pages(int4_k, digest_center, digest_radius, slots), slots)
 

@@ -282,7 +282,7 @@ def remember(cfg: HiSparseConfig, state: CacheState, pages: jax.Array) -> CacheS
 # Share of the sample drawn uniformly (the rest follows the digest's mass
 # estimate): it caps every page's weight at N / (n * share), so a page the digest
 # underrates cannot blow up the estimate. 0.1-0.5 measured alike on concentrated
-# heads (docs/results.md); 0 would trust the digest alone.
+# heads (docs/log/results.md); 0 would trust the digest alone.
 TAIL_UNIFORM_SHARE = 0.25
 _TAIL_KEY = 0x7A11
 _RERANK_KEY = 0x7A12

@@ -9,7 +9,7 @@ Levels, least degraded first:
   2+. the selection budget halved, down to 512 tokens, with the offload working
      set shrunk in proportion (the scheduler keeps its most valuable pages).
 The hot window never grows back (its bf16 data is gone); the budget does when
-the pressure eases. `levels` is pure: the caches apply a level (offload.py).
+the pressure eases. `levels` is pure: the caches apply a level (handle.py, offload/store.py).
 """
 
 from __future__ import annotations

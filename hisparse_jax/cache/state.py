@@ -155,7 +155,7 @@ def decode_widths(max_seqs: int) -> list[int]:
     sums a row in an order that depends on the number of rows, so every sum over
     a sequence's own axis takes a form that does not
     (`sparse_decode.reference.row_sum`; the model pads its matmuls and norms;
-    docs/serving.md, "Decode width", measures what one request saves)."""
+    docs/log/serving.md, "Decode width", measures what one request saves)."""
     out, w = [], 1
     while w < max_seqs:
         out.append(w)

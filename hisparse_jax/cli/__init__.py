@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from hisparse_jax.backends import BACKENDS
 from hisparse_jax.cli import commands
 from hisparse_jax.cli.args import (
     CLIError,
@@ -87,7 +88,7 @@ def build_parser() -> Parser:
                    help="also report the oracle's recall with N, M, ... cold tokens per "
                         "KV head (multiples of the page size): the budget this attention "
                         "needs, whatever the selection")
-    e.add_argument("--implementation", choices=("auto", "xla", "pallas", "cpu"), default="auto",
+    e.add_argument("--implementation", choices=("auto", *BACKENDS), default="auto",
                    help="kernels: auto = Pallas on a GPU, the C++ decode kernels on a "
                         "CPU, where they take the shapes; else XLA")
     e.add_argument("--json", action="store_true")
@@ -104,7 +105,7 @@ def build_parser() -> Parser:
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=commands.cmd_bench_attention)
     kn = debug_flag(bsub.add_parser("kernels", help="Pallas kernels vs XLA references: time, "
-                                    "bytes/s, error (docs/kernels.md)"))
+                                    "bytes/s, error (docs/log/kernels.md)"))
     kn.add_argument("--case", default="ci",
                     help="ci, decode_{32k,128k,1m}_b{1,8}, a comma-separated list, or all")
     kn.add_argument("--impl", default="pallas,xla", help="pallas, xla or pallas,xla")
@@ -153,7 +154,7 @@ def use_compile_cache():
     (JAX's persistent cache, keyed by program, options and jax version; least recently
     used entries go past 1 GiB): a later `serve`, `generate` or `demo` loads its
     programs instead of compiling them again (`hisparse serve --max-seqs 4
-    --max-context 1024` is up in 5.9 s instead of 10.0 here: docs/serving.md). JAX_COMPILATION_CACHE_DIR
+    --max-context 1024` is up in 5.9 s instead of 10.0 here: docs/log/serving.md). JAX_COMPILATION_CACHE_DIR
     moves it (the test suite sets its own). Not for `hisparse bench`."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hisparse_jax.backends import BACKENDS
 from hisparse_jax.cli.args import (
     CLIError,
     budget_tokens,
@@ -233,7 +234,7 @@ def add_model_bench_parsers(bench_subparsers):
     b.add_argument("--rerank-multiple", type=number_list(1.0), default=None, metavar="X,Y,...",
                    help="HiSparse candidates per budget page, a row each (default: the "
                         "config's)")
-    b.add_argument("--implementation", type=choice_list(("pallas", "cpu", "xla")), default=None,
+    b.add_argument("--implementation", type=choice_list(BACKENDS), default=None,
                    metavar="NAMES", help="HiSparse's kernels, a row each, e.g. xla,cpu "
                    "(default: Pallas on a GPU, the C++ decode kernels on a CPU where they "
                    "build, else XLA)")

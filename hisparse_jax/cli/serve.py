@@ -1,6 +1,6 @@
 """`hisparse serve`: the OpenAI-compatible server. `add_serving_parsers(sub)` adds
 it to the `hisparse` parser's subparsers; `add_bench_serve_parser(bsub)` adds
-`hisparse bench serve` (bench.py) under `hisparse bench`."""
+`hisparse bench serve` (cli/bench_serve.py) under `hisparse bench`."""
 
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def add_serving_parsers(subparsers):
                    help="tests only: honour a request's 'fault_nan_kv_after': N (its K/V "
                         "turn NaN after N tokens)")
     s.add_argument("--attention", choices=("hisparse", "dense"), default="hisparse")
-    s.add_argument("--implementation", choices=("pallas", "cpu", "xla"), default=None,
+    s.add_argument("--implementation", choices=backends.BACKENDS, default=None,
                    help="HiSparse's kernels (default: Pallas on a GPU, the C++ decode "
                         "kernels on a CPU where they build, else XLA)")
     s.add_argument("--budget-tokens", type=budget_tokens, default=None, metavar="N",
@@ -274,7 +274,7 @@ def add_serving_parsers(subparsers):
 def add_bench_serve_parser(bench_subparsers):
     """Adds `serve` under `hisparse bench` (a load generator for any
     OpenAI-compatible server); returns its parser."""
-    from hisparse_jax.harness.serve_bench import add_arguments, main_bench_serve
+    from hisparse_jax.cli.bench_serve import add_arguments, main_bench_serve
     b = bench_subparsers.add_parser("serve", help="load an OpenAI-compatible server: TTFT, "
                                     "TPOT, ITL, E2EL, throughput, goodput")
     add_arguments(b)

@@ -495,7 +495,7 @@ def plan(case: str = "ci", impl: str = "pallas,xla", ops: str = ",".join(OPS), *
     if warmup is not None and warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     interpret = backend != "gpu"
-    if "pallas" in impls and interpret:
+    if interpret and any(KERNEL_IMPLS[i].kernel for i in impls if i in KERNEL_IMPLS):
         big = [n for n in names if n != "ci"]
         if big:
             raise ValueError(

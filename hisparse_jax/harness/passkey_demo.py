@@ -4,8 +4,9 @@ and through dense attention, side by side.
 SmolLM2-135M-Instruct (fetched on first use) reads a ~7,000-token passkey prompt
 (prompts.py: a 5-digit key hidden in filler text) and is asked for the key.
 Three caches answer: dense (exact attention over bf16 K/V), HiSparse at a cold
-budget of a 16th of the context, and sink + window (the newest 512 tokens and the
-first 16, no cold page), the baseline that cannot see the key.
+budget of a 16th of the context, and sink + window (the first 16 tokens and the
+newest ones in the bf16 and fp8 windows, 448 in the model preset; no cold page),
+the baseline that cannot see the key.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def run_demo(model_name: str = "smollm2-135m", tokens: int = 7000, depth: float 
     ratio = rows["dense"]["cache_bytes"] / rows["hisparse"]["cache_bytes"]
     print(f"\nHiSparse holds this sequence in {ratio:.1f}x fewer bytes than dense bf16; "
           f"{sparse.capacity_line()}.")
-    print("sink+window keeps the first 16 and the newest 512 tokens only (its bytes: those "
-          "tokens in bf16; prefilled from the dense K/V).")
+    c = window.cache_cfg
+    print(f"sink+window keeps the first {c.sink_tokens} and the newest "
+          f"{c.hot_tokens + c.warm_tokens} tokens only (its bytes: those tokens in bf16; "
+          "prefilled from the dense K/V).")
     return {"tokens": n, "key": key, "depth": depth, "budget_tokens": budget, "rows": rows}

@@ -24,7 +24,7 @@ resident (K <= W is required). Two policies share the interface:
   the same digest scores, free to compute). Up to `max_prefetch` predicted pages
   that are not resident are prefetched: by default only the layer below's (the
   runner-ups then only protect resident pages; prefetching them too bought little
-  hit rate for many bytes, see docs/scheduler.md).
+  hit rate for many bytes, see docs/log/scheduler.md).
 - "lru": keep = selected pages, then the most recently selected; demand fetch only.
 
 Counters (int32, summed over sequences and heads): selected, hits (selected and

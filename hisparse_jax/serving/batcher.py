@@ -28,7 +28,7 @@ So a prompt stops before its last block (`parked`) while the next prompt
 prefills, and the gang's last blocks then run back to back, their first tokens
 sent together at the end of that step, and the streams decode side by side.
 Several streams cost one step a little more than one (the weights are read once
-for all): at 7.2K tokens in a 2-slot engine, 45 ms against 38 (docs/serving.md). A gang
+for all): at 7.2K tokens in a 2-slot engine, 45 ms against 38 (docs/log/serving.md). A gang
 is as wide as the widest decode step judged to fit SLACK_SHARE of the target (`_gang_width`: a
 step's moving average plus two moving deviations, `_step_bound`; a width not yet
 run, the narrower one's bound times UNTRIED_WIDTH_GROWTH), and a parked prompt
@@ -163,8 +163,8 @@ STEP_SMOOTHING = 0.25
 STEP_DEVIATIONS = 2.0
 # A width not yet run is judged as the next narrower one's bound times this: a
 # 2-wide step took 1.17-1.24x a 1-wide one in a 2-slot engine at 7.2K tokens on an
-# AMX Xeon (docs/serving.md, "Run 6 and after: gangs") and 1.27-1.49x on an Ice Lake
-# one, whose first gang under 1.4 ran over a 60 ms target (docs/serving.md,
+# AMX Xeon (docs/log/serving.md, "Run 6 and after: gangs") and 1.27-1.49x on an Ice Lake
+# one, whose first gang under 1.4 ran over a 60 ms target (docs/log/serving.md,
 # "Without AMX"); steps swing more than that.
 UNTRIED_WIDTH_GROWTH = 1.6
 # A prompt block fills a stream's slack only up to this share of the TPOT target

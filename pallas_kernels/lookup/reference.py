@@ -10,7 +10,7 @@ import jax.numpy as jnp
 # Score every pool page (then gather) when the pool has at most this many times a
 # sequence's page-table length. A model's layer loop copies its layer's slice of
 # the pool's digests before the pool dot, so the break-even in SmolLM2's decode
-# step lies between 3.7x and 5.6x (docs/serving.md, "Decode width");
+# step lies between 3.7x and 5.6x (docs/log/serving.md, "Decode width");
 # it is a constant of the cache, never of the batch, so that a sequence's
 # scores do not depend on the decode width (the two paths differ in rounding).
 POOL_SCORING_RATIO = 4

@@ -46,7 +46,7 @@ NUM_BLOCKS = 64
 
 # vLLM's CPU kernel (the CPU override's exact prefill) picks AMX where the CPU has it;
 # outside an engine the process must ask for AMX tile permission first, or it dies
-# with SIGILL (docs/vllm.md).
+# with SIGILL (docs/log/vllm.md).
 if hasattr(torch._C, "_cpu") and hasattr(torch._C._cpu, "_init_amx"):
     torch._C._cpu._init_amx()
 

@@ -33,7 +33,7 @@ MAX_MODEL_LEN = 8192
 BUDGET = 480  # = 7,680 / 16: a sixteenth of the passkey context
 SHORT_TOKENS = 40
 TIE = 0.25  # nats: two bf16 ulps of a logit in [16, 32)
-DEPTHS = (0.2, 0.5)  # both answered by dense attention here; docs/vllm.md has more depths
+DEPTHS = (0.2, 0.5)  # both answered by dense attention here; docs/log/vllm.md has more depths
 
 
 def _prompts():
