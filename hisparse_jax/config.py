@@ -15,9 +15,9 @@ def default_budget_tokens(context: int, page_size: int = 16) -> int:
     """The decode budget servers use when none is given (`hisparse serve`, the vLLM
     bridge): a 16th of the context in whole pages, at least 512 and at most 2,048
     tokens. A fixed 2,048 is a quarter of an 8K context: SmolLM2 served 7.5K
-    prompts slower than dense attention with it (TPOT 332 against 243 ms, one run)
-    and faster at 512 (163 against 232 ms, another; docs/log/serving.md, "Measured"),
-    and 1/16 is the budget its quality was measured at."""
+    prompts slower than dense attention with it and faster at 512
+    (docs/log/serving.md, "Measured"), and 1/16 is the budget its quality was
+    measured at."""
     return min(2048, max(512, context // 16 // page_size * page_size))
 
 

@@ -82,7 +82,7 @@ def rerank(cfg: HiSparseConfig, logits: jax.Array, seq_lens: jax.Array,
         share = jnp.where(valid[:, :, None], share, 0.0)
         sharp = jnp.max(share, axis=-1) > cfg.quest_floor_mass * (1.0 + window)
         # Only when some head is sharp (random keys: never): the bounds' gather and
-        # the floor cost about 3 ms per step at 32K on XLA:CPU.
+        # the floor are a large share of the step (docs/log/code-timings.md, "floor").
         score = jax.lax.cond(
             jnp.any(sharp),
             lambda: _quest_floor(score, share, sharp, QUEST_FLOOR_SLACK * (1.0 + window),

@@ -75,7 +75,8 @@ def pool_pages(page_table: jax.Array, logical: jax.Array) -> jax.Array:
 
 def _first_argmax(x):
     """jnp.argmax over the last axis (NaN counts as the maximum, all -inf -> 0) as two
-    plain reductions: XLA:CPU's variadic argmax reduce took 0.4 ms per step at 128K."""
+    plain reductions: XLA:CPU runs a variadic argmax reduce slowly
+    (docs/log/code-timings.md, "argmax")."""
     nan = jnp.isnan(x)
     top = jnp.where(jnp.any(nan, axis=-1, keepdims=True), jnp.nan, jnp.max(x, axis=-1,
                                                                           keepdims=True))
@@ -170,8 +171,8 @@ def _rank_pages_reference(cfg, state, bound, ranked, extra, per_head, k, peak, l
     # nor the centre ranks high. They come right after the bound picks.
     n_pages = bound.shape[-1]
     # (The top page by argmax and candidates by the page table, not from top_k's
-    # outputs: slicing those made XLA:CPU's top_k over the bound 3x slower, 7 -> 22
-    # ms per step at 128K.)
+    # outputs: slicing those slowed XLA:CPU's top_k over the bound down;
+    # docs/log/code-timings.md, "top_k outputs".)
     side = _first_argmax(bound)[..., None] + jnp.array([-1, 1])  # [B, Hkv, G, 2]
     side_ok = (side >= 0) & (side < n_pages)
     side = jnp.clip(side, 0, n_pages - 1)
@@ -189,8 +190,8 @@ def _rank_pages_reference(cfg, state, bound, ranked, extra, per_head, k, peak, l
         # bound) first, cfg.peak_pages per far page, up to all k: the candidates hold
         # what plain Quest would attend (and the digest's rounding may rank a few
         # of its pages past the budget), and the re-rank's exact scores choose.
-        # (Quest's top-k only when some group needs it: XLA:CPU's top_k over the
-        # pages costs about 0.6 ms per step at 128K.)
+        # (Quest's top-k only when some group needs it: a top_k over every page
+        # is not free; docs/log/code-timings.md, "Quest's top-k".)
         # Every group leads with `lead` of them (cfg.quest_lead): its floor can
         # then always reach Quest's set, with or without a far page.
         kq = k

@@ -171,7 +171,7 @@ def decode_width(max_seqs: int, top: int) -> int:
 
 # The window's tiers: the "cpu" window kernel reads the first n slots of a wider
 # layer-stacked state in place, so a narrow step need not copy them (`first_slots`'
-# keep; 4 slices and 4 updates, about 10 ms of a 2-wide step in an 8-slot engine).
+# keep: 4 slices and 4 updates; docs/log/code-timings.md, "window fields").
 WINDOW_FIELDS = ("bf16_k", "bf16_v", "fp8_k", "fp8_v", "fp8_k_scale", "fp8_v_scale")
 
 
@@ -615,7 +615,7 @@ def retier(old: HiSparseConfig, new: HiSparseConfig, state: CacheState, *,
 # layer l in place inside its layer loop: every write below indexes the stacked
 # arrays at [l, ...], because a write into a layer's slice, or a per-layer state
 # passed through the loop, copies that layer's whole pool (the cold pool is most
-# of the cache; 53 ms of a 30-layer decode step at 8K here). The stacked form keeps
+# of the cache; docs/log/code-timings.md, "pool copies"). The stacked form keeps
 # fp8 arrays as uint8, the same bytes: XLA:CPU writes into a float8 array by
 # converting all of it.
 

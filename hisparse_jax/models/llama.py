@@ -169,14 +169,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 MATMUL_MIN_ROWS = 4
 # Products of at most this many rows run on the AMX kernel (products="cpu"): a
-# decode step's, and a short prompt's or a prompt's last block's. Measured on a
-# loaded 2-core AMX Xeon, 2026-12-06, in a 30-layer loop
-# (benchmarks/weight_products.py, two runs): the kernel took 0.66-0.86x XLA's time
-# at 64 rows, 0.87x at 128, 1.03x at 256, 1.07x at 512 (XLA's packed products win
-# back the layer's copy). Through the engine's prefill: a 40-token prompt (64 rows)
-# 0.94x (benchmarks/prefill_lengths.py); a 100-token one (128 rows) 114-138 ms
-# against XLA's 93-117 in a one-off script (three alternating processes each),
-# hence the cut at 64. Both sum in the same order (bit-equal), so the switch never
+# decode step's, and a short prompt's or a prompt's last block's: past 64 rows
+# XLA's packed products win back the layer's copy (docs/log/code-timings.md,
+# "kernel rows"). Both sum in the same order (bit-equal), so the switch never
 # shows in the numbers.
 KERNEL_MAX_ROWS = 64
 # Products of at most this many rows read a GGUF file's blocks where the model has
@@ -200,12 +195,11 @@ def matmul(x: jax.Array, w: jax.Array, layer=None, *, products: str = "xla",
     most BLOCKS_MAX_ROWS rows: a third of the bytes, the same numbers.
 
     In XLA, fewer than MATMUL_MIN_ROWS rows are padded with zeros: XLA:CPU's bf16
-    matrix-vector path is ~10x slower than its matrix-matrix one (211 vs 22 ms for
-    80M weights here), and it sums 1 or 2 rows in another order than 3 or more,
-    which made a sequence's decode step depend on how many slots the step
-    computed. 4 rows cost what 2 do (a one-off timing of the jitted product at
-    576x1536, 2026-12-05: 126 us at 4 rows, 129 at 2, 336 at 1). The kernel sums
-    each row alone, in the order of XLA's products of 4 or more rows."""
+    matrix-vector path is much slower than its matrix-matrix one, and 4 rows cost
+    what 2 do (docs/log/code-timings.md, "few rows"); and it sums 1 or 2 rows in
+    another order than 3 or more, which made a sequence's decode step depend on
+    how many slots the step computed. The kernel sums each row alone, in the order
+    of XLA's products of 4 or more rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     return backends.kernel("weight_products", products)(x2, w, layer, blocks).reshape(*lead, -1)
@@ -460,8 +454,8 @@ _TABLE = 1 << 20
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _random_fill(key, shape, std):
     """A seeded normal(0, std) table of 2^20 bf16 values, read at a hash of each
-    element's index: one gather per element instead of a random number (drawing
-    525M normals for Llama-3-8B's embedding took 9-16 s here, this 1.4 s)."""
+    element's index: one gather per element instead of a random number (much
+    faster for an 8B model's weights; docs/log/code-timings.md, "random weights")."""
     if math.prod(shape) >= 2**32:
         raise ValueError(f"random weights of shape {shape}: over 2^32 elements")
     table = (jax.random.normal(key, (_TABLE,), jnp.float32) * std).astype(jnp.bfloat16)

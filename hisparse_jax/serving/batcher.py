@@ -161,17 +161,14 @@ BATCH_SIZES = (8, 4, 2)
 # (`_step_bound`), so that a width whose steps vary gets room under the target.
 STEP_SMOOTHING = 0.25
 STEP_DEVIATIONS = 2.0
-# A width not yet run is judged as the next narrower one's bound times this: a
-# 2-wide step took 1.17-1.24x a 1-wide one in a 2-slot engine at 7.2K tokens on an
-# AMX Xeon (docs/log/serving.md, "Run 6 and after: gangs") and 1.27-1.49x on an Ice Lake
-# one, whose first gang under 1.4 ran over a 60 ms target (docs/log/serving.md,
-# "Without AMX"); steps swing more than that.
+# A width not yet run is judged as the next narrower one's bound times this: the
+# measured growth from 1 to 2 wide was up to about 1.5x (docs/log/serving.md, "Run 6
+# and after: gangs" and "Without AMX"), and steps swing more than that.
 UNTRIED_WIDTH_GROWTH = 1.6
 # A prompt block fills a stream's slack only up to this share of the TPOT target
 # (`_over_slo`), and a gang's step must be judged within it (`_gang_width`): a
 # block or step here often runs slower than its last time, and a stream filled
-# right up to the target ends over it (2026-12-07, a 60 ms target: TPOT median 57,
-# P99 61 ms; a gang whose untried step was judged at 59 ms, P99 71 ms).
+# right up to the target ends over it (docs/log/code-timings.md, "slack").
 SLACK_SHARE = 0.9
 
 
