@@ -421,8 +421,8 @@ class SlotTable:
 
 # Each layer's state is kept layer-stacked (one layer, `state.init_stacked`), the form
 # whose writes XLA does in place: a step on a plain state, wrapped into that form and
-# back inside the program, copied the whole pool several times (56 ms a layer at a
-# 2 GiB pool, against 4.6 ms now; docs/log/vllm.md, "The decode step in place").
+# back inside the program, copied the whole pool several times (docs/log/vllm.md,
+# "The decode step in place").
 
 def _load_free_stack(cfg: HiSparseConfig, stacked: st.CacheState, ids, n):
     """Make the next n pops of the free-page stack return ids[0], ids[1], ..."""

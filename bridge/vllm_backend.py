@@ -460,7 +460,8 @@ def torch_exact_attention(q, kbuf, vbuf, ctx: int, n: int, scale: float) -> torc
 
     torch's CPU flash kernel (scaled_dot_product_attention), float32 like vLLM's CPU
     kernel, reads JAX's staging buffers through DLPack views (nothing is copied); the
-    same math as runtime.jax_exact_attention and about 3x faster here. A later chunk
+    same math as runtime.jax_exact_attention and faster (docs/log/code-timings.md,
+    "torch prefill"). A later chunk
     of a chunked prefill (ctx > 0) passes its causal mask explicitly."""
     f32 = torch.float32  # bf16 SDPA drifts from vLLM's CPU kernel sooner (measured)
     qt = dlpack.to_torch(q)[:n].to(f32).transpose(0, 1).unsqueeze(0)

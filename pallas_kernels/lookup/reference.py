@@ -38,8 +38,8 @@ def page_scores(q: jax.Array, digest_center: jax.Array, digest_radius: jax.Array
     returns        bound [B, Hkv, G, N] and center [B, Hkv, N] float32, -inf for
                    non-candidates
     """
-    # Scoring the whole pool and gathering the scores is ~5x faster on XLA:CPU than
-    # gathering digest rows first (the row gather copies every digest byte), as long
+    # Scoring the whole pool and gathering the scores is faster on XLA:CPU than
+    # gathering digest rows first (docs/log/code-timings.md, "pool scores") (the row gather copies every digest byte), as long
     # as the pool is not much larger than one sequence's table (batch-1 caches, or a
     # few long sequences); otherwise only each sequence's own pages are scored.
     score_pool = digest_center.shape[1] <= POOL_SCORING_RATIO * page_table.shape[1]
