@@ -6,7 +6,7 @@ all-resident engine, and the offload counters (hit rate, pages and bytes copied)
     .venv/bin/python benchmarks/engine_offload.py [--prompt-tokens 1500] [--slots 4]
         [--active 2] [--budget-tokens 128] [--steps 40]
 
-An offloaded step is one program (`engine._decode_offloaded`) since 2026-12-06;
+An offloaded step is one program (`kv.decode` of `OffloadedKV`) since 2026-12-06;
 rows before that date timed one with two programs and a host sync per layer
 (their `programs_ms_per_step` came from a `--programs` option that timed each).
 """

@@ -1,6 +1,6 @@
 """A prompt's prefill through the serving engine, and the cache fill inside it:
 `Engine.prefill` (the model and the fill in one program) for HiSparse and for
-dense, and the fill alone over every layer (`engine._prefill_kv`, what a
+dense, and the fill alone over every layer (`kv.fill`, what a
 block-by-block prefill ends with) against the way it filled before (each layer's
 whole state released, prefilled and written back, `whole_layer_fill` below), one
 after the other in one process. The two fills must leave the same bytes.
@@ -22,6 +22,7 @@ import numpy as np
 from hisparse_jax.cache import state as st
 from hisparse_jax.harness.generate_bench import prompt
 from hisparse_jax.models import engine as eng
+from hisparse_jax.models import kv
 from hisparse_jax.models.registry import load
 
 
@@ -63,7 +64,7 @@ def one_case(engines, tok, n, repeats) -> dict:
     k, v = (jnp.asarray(rng.normal(size=(mc.num_layers, t, mc.num_kv_heads, mc.head_dim)),
                         jnp.bfloat16) for _ in range(2))
     args = (jnp.int32(1), k, v, jnp.int32(n), hs._shared(-1, t))
-    fills = {"in_place": lambda c: eng._prefill_kv(hs.cache_cfg, c, *args, False),
+    fills = {"in_place": lambda c: kv.fill(kv.HiSparseKV(hs.cache_cfg), c, *args),
              "whole_layer": lambda c: whole_layer_fill(hs.cache_cfg, c, *args)}
     for name, fill in fills.items():
         def run(fill=fill):

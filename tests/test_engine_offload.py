@@ -17,7 +17,8 @@ from models_fixtures import smollm2
 
 from hisparse_jax import capacity
 from hisparse_jax.cache import state as st
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, _decode_offloaded
+from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.kv import decode
 from hisparse_jax.offload import policy as scheduler
 
 
@@ -161,8 +162,8 @@ def test_the_offloaded_step_lowers_for_an_h200_as_one_program(model):
     m, _ = model
     eng = Engine(m, max_seqs=2, max_context=1024, budget_tokens=64, offload=True)
     static = {**eng._static(), "implementation": "xla", "products": "xla"}
-    step = functools.partial(_decode_offloaded, **static, width=2, shardings=eng.shardings)
-    txt = cross_lower(step, eng.params, eng.caches, eng.cold, jnp.asarray(eng.tokens),
+    step = functools.partial(decode, **static, n=2)
+    txt = cross_lower(step, eng.params, (eng.caches, eng.cold), jnp.asarray(eng.tokens),
                       jnp.asarray(eng.lens), jnp.ones(2, bool), eng._samp())
     assert txt.count('_xla_compute_type = "host"') >= 2 * len(st.OFFLOAD_FIELDS)
     assert "stablehlo.while" in txt and "callback" not in txt

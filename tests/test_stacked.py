@@ -10,6 +10,7 @@ import pytest
 from hisparse_jax.cache import state as st
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.models import engine as eng
+from hisparse_jax.models import kv
 from hisparse_jax.models.llama import Llama, LlamaConfig, random_weights
 
 LAYERS = 3
@@ -170,7 +171,7 @@ def test_engine_decode_step_updates_caches_in_place():
                      num_heads=4, num_kv_heads=2, head_dim=64, max_position=32768)
     engine = eng.Engine(Llama(mc, random_weights(mc)), max_seqs=2, max_context=32768,
                         budget_tokens=1024)
-    compiled = eng._decode.lower(
+    compiled = kv.decode.lower(
         engine.params, engine.caches, jnp.asarray(engine.tokens), jnp.asarray(engine.lens),
         jnp.ones(2, bool), engine._samp(), **engine._static(), n=2).compile()
     layer_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.caches)) / mc.num_layers

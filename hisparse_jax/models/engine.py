@@ -1,23 +1,19 @@
-"""Engine: a model, one KV cache per layer for `max_seqs` slots, and the two jitted
-programs that run it: `prefill` (one slot's prompt) and `decode_step` (one token
-for every active slot).
+"""Engine: a model and its KV cache for `max_seqs` slots, driven a batch at a
+time: `prefill` (one slot's prompt; `prefill_batch` several short ones,
+`prefill_chunk` one block of a long one) and `decode_step` (one token for every
+active slot), with the sampling hooks (penalties, logit bias) and the slots'
+bookkeeping on the host.
 
-attention="hisparse": one `CacheState` per layer, stacked on a leading layer
-axis (`state.init_stacked`). Prefill attention is exact (on the CPU kernel where
-it runs, `cpu_kernels/causal_attention.cc`: AMX tiles or AVX-512, else XLA's
-`causal_prefill_attention`: `config.resolve_prefill`) and fills the cache
-(`state.prefill`); decode
-appends the new token in place (`state.append_layer`) and attends sparsely
-(`attention.decode_step`).
-attention="dense": the same model with exact attention over a plain bf16 KV
-cache of the same tokens (the baseline).
-
-A decode step is one jitted program for all layers and slots (a `lax.scan` over
-the layers, no host sync inside); the caches are donated and carried through the
-scan, and each layer writes only what changes at its layer index, so XLA updates
-them in place. The only host sync is reading the sampled tokens back. Its weight
-products read each layer's weights in place on AMX tiles where the CPU has them
-(`cpu_kernels/matmul.cc`, `config.resolve_products`).
+What the cache is and how a program uses it is the engine's `KVStrategy`
+(`models/kv.py`, which also holds the jitted programs): attention="hisparse",
+every layer's `CacheState` stacked on a leading layer axis (`HiSparseKV`);
+attention="dense", the same model with exact attention over a plain bf16 KV
+cache of the same tokens (the baseline, `DenseKV`); offload=True, HiSparse with
+every layer's cold codes in host memory (`OffloadedKV`). Prefill attention is
+exact (`attention.causal_block_attention`). A decode step is one jitted program
+for all layers and slots, one loop over the layers (`Llama.layers`) whatever the
+strategy; the caches are donated and carried through it, so XLA updates them in
+place, and the only host sync is reading the sampled tokens back.
 
 Prefix sharing (HiSparse): every prompt's full cold pages go into one
 `PrefixIndex` for all layers (an entry's pages are one global id per layer,
@@ -28,13 +24,6 @@ document hold its cold pages once. `pin` keeps a prompt's pages after its
 sequence ends (a prewarmed document); unpinned pages nobody uses stay indexed
 and are evicted, oldest first, when the pool runs short (`pool_available`
 counts them as free).
-
-Offload mode (`offload=True`, HiSparse): the stacked state holds no cold codes;
-every layer's live in host memory (`offload.LayerColdStores`). Prefill writes a
-prompt's new cold pages there; a decode step is one program (`_decode_offloaded`)
-in which each layer copies its missing pages from the host between its selection
-and its attention. The same bytes are attended, so the tokens equal the
-all-resident engine's.
 """
 
 from __future__ import annotations
@@ -47,88 +36,33 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_kernels import ops as cpu_ops
-from hisparse_jax import attention as att
-from hisparse_jax.cache import layout
+from hisparse_jax import backends
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.cache import state as st
 from hisparse_jax.cache.handle import CacheFullError
 from hisparse_jax.cache.prefix import PrefixIndex
-from hisparse_jax.config import (
-    HiSparseConfig,
-    model_preset,
-    resolve_implementation,
-    resolve_prefill,
-    resolve_products,
-)
+from hisparse_jax.config import HiSparseConfig, model_preset
+from hisparse_jax.models import kv as programs
+from hisparse_jax.models.kv import DenseKV, HiSparseKV, OffloadedKV, fill_length, prefill_length
 from hisparse_jax.models.llama import Llama
 from hisparse_jax.models.sampling import (
     GREEDY,
     SamplingParams,
     SlotSampling,
     bias_row,
-    sample_slots,
     slot_params,
 )
 from hisparse_jax.offload import policy as scheduler
 from hisparse_jax.offload import store as off
-from hisparse_jax.offload.store import attend_planned, plan_copies
 from hisparse_jax.validate import check_bool_mask, check_int, check_token_ids, check_working_set
 
+__all__ = ["ATTENTIONS", "PREFILL_CHUNK", "Engine", "fill_length", "model_cache_config",
+           "prefill_length"]
+
 ATTENTIONS = ("hisparse", "dense")
-PREFILL_CHUNK = 512  # causal_prefill_attention's query/key block
 
 
-def prefill_length(n: int) -> int:
-    """Padded prompt length: 64, 128, 256, 512, then whole chunks, so a handful of
-    programs serve every prompt length (each costs a 10-20 s compile here)."""
-    if n <= PREFILL_CHUNK:
-        return max(64, 1 << (n - 1).bit_length())
-    return -(-n // PREFILL_CHUNK) * PREFILL_CHUNK
-
-
-def fill_length(n: int, max_context: int) -> int:
-    """Padded length of the K/V an n-token prompt fills the HiSparse cache from:
-    `prefill_length` up to a block, then powers of two up to the staging buffer's
-    length (max_context in whole blocks). A fill program (seconds to compile) per
-    length: a few for any context, where whole blocks made one per block count,
-    for at most twice the fill's work (the padding is encoded, then dropped)."""
-    if n <= PREFILL_CHUNK:
-        return prefill_length(n)
-    return min(1 << (n - 1).bit_length(), prefill_length(max_context))
-
-
-# ---------------------------------------------------------------- jitted programs
-
-def dense_attention(q, k, v, lengths):
-    """Exact decode attention over a bf16 cache, in float32 (the library's
-    `dense_decode_attention` rounds q and the probabilities to the cache's dtype,
-    which moved SmolLM2's logits by up to 0.3 against float32 attention).
-    q [B, Hq, D]; k, v [B, Hkv, S, D]; lengths [B] -> [B, Hq, D] float32."""
-    b, hq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k.astype(jnp.float32)) / np.sqrt(d)
-    valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
-    p = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhgs,bhsd->bhgd", p, v.astype(jnp.float32)).reshape(b, hq, d)
-
-
-def dense_decode_layer(caches, layer, q, k, v, lens, active):
-    """`attention.decode_layer` for the dense cache ([L, B, Hkv, S, D] pair): write
-    each active slot's k, v at its length, in place, and attend exactly."""
-    kc, vc = caches
-    n = q.shape[0]  # slots 0..n-1
-    at = (layer, jnp.arange(n), slice(None),  # indexed as [n, Hkv, D]
-          jnp.where(active, lens, kc.shape[3]))        # inactive slots: dropped
-    kc = kc.at[at].set(k.astype(kc.dtype), mode="drop")
-    vc = vc.at[at].set(v.astype(vc.dtype), mode="drop")
-    return dense_attention(q, kc[layer, :n], vc[layer, :n], lens + active), (kc, vc)
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _release(cfg: HiSparseConfig, caches, slot):
-    return jax.vmap(lambda s: st.stored(st.release(cfg, st.live(cfg, s), slot)))(caches)
-
+# ---------------------------------------------------------------- small programs
 
 @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=1)
 def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
@@ -136,175 +70,6 @@ def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
     pages [L, n] (-1 = skip), layer by layer."""
     f = st.retain_pages if retain else st.drop_pages
     return jax.vmap(lambda s, p: st.stored(f(cfg, st.live(cfg, s), p)))(caches, pages)
-
-
-def _exact_attention(q, k, v, start, chunk: int, prefill: str, layer=None):
-    """Exact causal attention of queries q [C, Hq, D] at positions start..start+C
-    over k, v [S, Hkv, D] (bf16), or k[layer], v[layer] of a stack [L, S, Hkv, D]
-    read where it lies (a chunked prefill's staged K/V; slicing a layer out copies
-    all of it every block) -> [C, Hq, D] float32, on the CPU kernel (prefill
-    "cpu", `config.resolve_prefill`: AMX tiles or AVX-512) or in XLA (`attention.causal_query_block`, key
-    blocks of `chunk`, start a multiple of it, C at most `chunk`). Each query's
-    output is the same whatever block it is computed in, so a prompt prefilled
-    block by block gets the numbers of one program."""
-    if prefill == "cpu":
-        return cpu_ops.causal_attention(q, k, v, start, layer=layer)
-    if isinstance(start, int):  # a whole prompt (from 0): its own K/V, never a stack
-        return att.causal_prefill_attention(q, k, v, chunk=chunk)
-    if layer is None:
-        k, v, layer = k[None], v[None], 0
-    kv = lambda j: tuple(jax.lax.dynamic_slice(s, (layer, j * chunk, 0, 0), (1, chunk, *s.shape[2:]))[0]
-                         .astype(jnp.float32).transpose(1, 0, 2) for s in (k, v))
-    # A prompt's last block may be shorter: its queries are padded back to a whole
-    # block here, because XLA's products of fewer rows sum differently (4e-8), which
-    # flips bf16 roundings of later layers' K/V (SmolLM2's logits then move by 0.17)
-    c = q.shape[0]
-    q = jnp.pad(q, ((0, chunk - c), (0, 0), (0, 0)))
-    out = att.causal_query_block(att.query_rows(q, k.shape[2]), kv, start // chunk, chunk)
-    return att.query_rows_back(out, chunk)[:c]
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
-                                             "offload", "prefill"),
-                   donate_argnames="caches")
-def _prefill(params, caches, slot, ids, length, shared, samp, *, graphdef, hcfg,
-             implementation, products, offload=False, prefill="xla"):
-    """One slot's prompt ids [Tp] (the first `length` real, the rest padding) ->
-    (first generated token [], its logits [V], caches). shared [L, Tp / page]:
-    pool pages the prompt references instead of storing (-1: none). offload: the
-    caches hold no cold codes (`_offloaded`); also returns the new cold pages,
-    (pool ids [L, Tp / page], codes {OFFLOAD_FIELDS: [L, Tp / page, Hkv, ...]}), for
-    the host pool."""
-    model = nnx.merge(graphdef, params)
-    t = ids.shape[0]
-    chunk = min(t, PREFILL_CHUNK)
-    if offload:
-        caches = (caches, _new_cold_buffer(hcfg, caches.page_table.shape[0], t))
-
-    def attend(caches, layer, q, k, v):
-        # Exact attention over the K/V as the cache stores them (bf16), so that a
-        # decode step gives what a prefill one token longer would (a bf16 rounding
-        # of K/V alone moves SmolLM2's logits by up to 0.3).
-        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-        out = _exact_attention(q, k, v, 0, chunk, prefill)
-        if hcfg is None:  # dense: [L, B, Hkv, S, D] pair; write the first min(T, S) tokens
-            n = min(t, caches[0].shape[3])
-            put = lambda c, x: jax.lax.dynamic_update_slice(
-                c, x[:n].transpose(1, 0, 2)[None, None].astype(c.dtype), (layer, slot, 0, 0, 0))
-            return out, (put(caches[0], k), put(caches[1], v))
-        if not offload:
-            return out, st.prefill_layer(hcfg, caches, layer, slot, k, v, length, shared[layer],
-                                         implementation=implementation)[0]
-        caches, (pool_ids, codes) = caches
-        caches, ids_l, codes_l = st.prefill_layer(hcfg, caches, layer, slot, k, v, length,
-                                                  shared[layer], implementation=implementation)
-        new = (pool_ids.at[layer].set(ids_l),
-               {f: codes[f].at[layer].set(codes_l[f]) for f in codes})
-        return out, (caches, new)
-
-    x, caches = model.layers(model.embed_tokens(ids), jnp.arange(t), caches, attend,
-                             products=products)
-    logits = model.logits(x[length - 1][None], products=products)
-    tok = sample_slots(logits, length[None], samp)
-    if offload:
-        return tok[0], logits[0], caches[0], *caches[1]
-    return tok[0], logits[0], caches
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
-                                             "prefill"),
-                   donate_argnames="caches")
-def _prefill_batch(params, caches, slots, ids, lengths, shared, samp, *, graphdef, hcfg,
-                   implementation, products, prefill="xla"):
-    """Several slots' prompts of one padded length at once: ids [B, Tp] (row i's first
-    lengths[i] real), slots [B], shared [B, L, Tp / page] as `_prefill`'s ->
-    (first generated tokens [B], their logits [B, V], caches). The weight products
-    take all B * Tp rows together; each prompt's attention and cache fill are its
-    own (a loop over the rows), so every row gets `_prefill`'s numbers alone."""
-    model = nnx.merge(graphdef, params)
-    b, t = ids.shape
-
-    def attend(caches, layer, q, k, v):
-        q, k, v = (x.reshape(b, t, *x.shape[1:]) for x in (q, k.astype(jnp.bfloat16),
-                                                           v.astype(jnp.bfloat16)))
-
-        def one(i, carry):
-            out, caches = carry
-            out = out.at[i].set(_exact_attention(q[i], k[i], v[i], 0, t, prefill))
-            if hcfg is None:  # dense: as `_prefill`'s
-                n = min(t, caches[0].shape[3])
-                put = lambda c, x: jax.lax.dynamic_update_slice(
-                    c, x[:n].transpose(1, 0, 2)[None, None].astype(c.dtype),
-                    (layer, slots[i], 0, 0, 0))
-                return out, (put(caches[0], k[i]), put(caches[1], v[i]))
-            return out, st.prefill_layer(hcfg, caches, layer, slots[i], k[i], v[i], lengths[i],
-                                         shared[i, layer], implementation=implementation)[0]
-
-        out, caches = jax.lax.fori_loop(0, b, one, (jnp.zeros(q.shape, jnp.float32), caches))
-        return out.reshape(b * t, *out.shape[2:]), caches
-
-    x, caches = model.layers(model.embed_tokens(ids.reshape(-1)), jnp.tile(jnp.arange(t), b),
-                             caches, attend, products=products)
-    last = x.reshape(b, t, -1)[jnp.arange(b), lengths - 1]
-    logits = model.logits(last, products=products)
-    return sample_slots(logits, lengths, samp), logits, caches
-
-
-def _new_cold_buffer(hcfg: HiSparseConfig, layers: int, t: int):
-    """A prefill's new cold pages of every layer: (pool ids [L, t / page] (none yet),
-    codes {OFFLOAD_FIELDS: [L, t / page, Hkv, ...]})."""
-    shapes = jax.eval_shape(lambda: st.init_state(hcfg))
-    npg = t // hcfg.page_size
-    codes = {f: jnp.zeros((layers, npg, hcfg.num_kv_heads, *getattr(shapes, f).shape[2:]),
-                          getattr(shapes, f).dtype) for f in st.OFFLOAD_FIELDS}
-    return jnp.full((layers, npg), hcfg.pool_pages, jnp.int32), codes
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _offloaded(hcfg: HiSparseConfig, layers: int):
-    """`state.init_stacked` without the cold codes (their pool axis empty): offload
-    mode keeps them in host memory (`offload.LayerColdStores`)."""
-    caches = st.init_stacked(hcfg, layers)
-    return caches.replace(**{f: jnp.zeros(x.shape[:2] + (0,) + x.shape[3:], x.dtype)
-                             for f in st.OFFLOAD_FIELDS for x in [getattr(caches, f)]})
-
-
-@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=1)
-def _prefill_kv(hcfg: HiSparseConfig, caches, slot, k, v, length, shared, offload=False):
-    """Fill `slot` of every layer's cache from K/V [L, T, Hkv, D] (bf16), shared
-    [L, T / page] as `_prefill`'s (offload: also returns the new cold pages, as
-    `_prefill`'s). A loop over the layers, each written in place
-    (`state.prefill_layer`)."""
-    def one(caches, xs):
-        layer, k, v, shared = xs
-        caches, pool_ids, codes = st.prefill_layer(hcfg, caches, layer, slot, k, v, length,
-                                                   shared)
-        return caches, (pool_ids, codes)
-    layers = jnp.arange(k.shape[0], dtype=jnp.int32)
-    caches, (pool_ids, codes) = jax.lax.scan(one, caches, (layers, k, v, shared))
-    return (caches, pool_ids, codes) if offload else caches
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "products", "prefill"),
-                   donate_argnames="stage")
-def _prefill_chunk(params, stage, ids, start, last, samp, *, graphdef, products, prefill="xla"):
-    """One block of a prompt: ids [C] at positions start..start+C (C: PREFILL_CHUNK,
-    or `block_length` of a last block) -> (the token sampled after row `last` [],
-    its logits [V], stage). stage: (K, V) [L, S, Hkv, D] bf16, the prompt's K/V so
-    far; this block's are written into it."""
-    model = nnx.merge(graphdef, params)
-    c = ids.shape[0]
-
-    def attend(stage, layer, q, k, v):
-        ks, vs = (jax.lax.dynamic_update_slice(s, x.astype(jnp.bfloat16)[None], (layer, start, 0, 0))
-                  for s, x in zip(stage, (k, v)))
-        return _exact_attention(q, ks, vs, start, PREFILL_CHUNK, prefill, layer), (ks, vs)
-
-    x, stage = model.layers(model.embed_tokens(ids), start + jnp.arange(c), stage, attend,
-                            products=products)
-    logits = model.logits(x[last][None], products=products)
-    tok = sample_slots(logits, (start + last + 1)[None], samp)
-    return tok[0], logits[0], stage
 
 
 @jax.jit
@@ -331,109 +96,6 @@ def _reset_slot(bias, counts, slot, row):
 def _count_tokens(counts, slots, tokens, weights):
     """counts [S, V] += weights at (slots, tokens), each [k]."""
     return counts.at[slots, tokens].add(weights)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _stage_to_dense(caches, slot, k, v):
-    """Copy staged K/V [L, S, Hkv, D] into a dense cache's `slot` ([L, B, Hkv, S', D])."""
-    s = caches[0].shape[3]
-    put = lambda c, x: jax.lax.dynamic_update_slice(
-        c, x[:, :s].transpose(0, 2, 1, 3)[:, None], (0, slot, 0, 0, 0))
-    return put(caches[0], k), put(caches[1], v)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
-                                             "n"),
-                   donate_argnames="caches")
-def _decode(params, caches, tokens, lens, active, samp, *, graphdef, hcfg, implementation,
-            products, n):
-    """tokens [B] at positions lens [B] (active [B] slots) -> (next tokens [B],
-    logits [B, V], caches), computing slots 0..n-1 only (the rest must be
-    inactive: their rows come back 0). A HiSparse step copies those slots' own
-    fields out of the stacked caches and back (the pool stays in place, and on the
-    "cpu" kernels the window's tiers too: `state.WINDOW_FIELDS`); a dense step
-    reads n slots of each layer's cache."""
-    model = nnx.merge(graphdef, params)
-    b = tokens.shape[0]
-    tokens, lens, active = tokens[:n], lens[:n], active[:n]
-    samp = jax.tree.map(lambda a: a[:n], samp)
-    full = caches
-    if hcfg is not None:
-        keep = st.WINDOW_FIELDS if resolve_implementation(implementation, hcfg) == "cpu" else ()
-        hcfg, caches = st.first_slots(hcfg, caches, n, axis=1, keep=keep)
-
-    def attend(caches, layer, q, k, v):
-        if hcfg is None:
-            return dense_decode_layer(caches, layer, q, k, v, lens, active)
-        return att.decode_layer(hcfg, caches, layer, q, k, v, active,
-                                implementation=implementation)
-
-    x, caches = model.layers(model.embed_tokens(tokens), lens, caches, attend,
-                             products=products)
-    if hcfg is not None:
-        caches = st.put_first_slots(full, caches, axis=1)
-    logits = model.logits(x, products=products)
-    nxt = sample_slots(logits, lens + 1, samp)
-    pad = lambda a: jnp.zeros((b, *a.shape[1:]), a.dtype).at[:n].set(a)
-    return pad(nxt), pad(logits), caches
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "hcfg", "implementation", "products",
-                                             "width", "shardings"),
-                   donate_argnames=("caches", "cold"))
-def _decode_offloaded(params, caches, cold, tokens, lens, active, samp, *, graphdef, hcfg,
-                      implementation, products, width, shardings):
-    """Offload mode's decode step, one program: `_decode`'s, with each layer's cold
-    pages read from its working set after the layer copied in what its selection
-    needs (`offload.plan_copies`, `copy_pages`, `attend_planned`). cold:
-    `offload.LayerColdStores`. The first `width` slots are selected and attended.
-    The pages that become cold in the step go to the host pools after the layers
-    (a layer that selects one in this step takes it from the device); one program
-    whether or not there are any (a second per width doubled the engine's
-    warm-up). -> (next tokens [B], logits [B, V], caches, cold)."""
-    model = nnx.merge(graphdef, params)
-    rope = model.rope()
-    w = cold.working_set
-    at = lambda tree, layer: jax.tree.map(lambda a: a[layer], tree)
-    put = lambda tree, layer, new: jax.tree.map(lambda a, b: a.at[layer].set(b), tree, new)
-
-    def layer_step(x, caches, parts, layer, below):
-        ws, sample_ws, held, sched, copied = parts
-        q, k, v = model.blocks.attention_inputs(x, lens, rope, layer, products)
-        caches, pool_ids, codes = st.append_layer(hcfg, caches, layer, k, v, active,
-                                                  implementation=implementation)
-        view = st.layer_view(hcfg, caches, layer)
-        sched_l, held_l, planned = plan_copies(hcfg, view, q, at(sched, layer), held[layer],
-                                               below, width=width,
-                                               implementation=implementation)
-        ws, sample_ws, counts = off.copy_pages(shardings, cold.host, layer, ws, sample_ws,
-                                               planned.copies, w, (pool_ids, codes))
-        out, candidates, _, last = attend_planned(hcfg, view, q, at(ws, layer),
-                                                  at(sample_ws, layer), sched_l, held_l,
-                                                  planned, implementation=implementation)
-        caches = caches.replace(last_selected=caches.last_selected.at[layer].set(last))
-        x = model.blocks.finish(x, out, layer, products)
-        parts = (ws, sample_ws, held.at[layer].set(held_l), put(sched, layer, sched_l),
-                 copied + counts)
-        return x, caches, parts, candidates, (pool_ids, codes)
-
-    parts = (cold.ws, cold.sample_ws, cold.sample_held, cold.sched, cold.copied)
-    # the first layer has no layer below to prefetch for it
-    x, caches, parts, below, new0 = layer_step(model.embed_tokens(tokens), caches, parts,
-                                                jnp.int32(0), None)
-
-    def body(carry, layer):
-        x, caches, parts, below = carry
-        x, caches, parts, below, new = layer_step(x, caches, parts, layer, below)
-        return (x, caches, parts, below), new
-
-    layers = jnp.arange(1, model.cfg.num_layers, dtype=jnp.int32)
-    (x, caches, parts, _), new = jax.lax.scan(body, (x, caches, parts, below), layers)
-    pool_ids, codes = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), new0, new)
-    host = off.store_pages(shardings[0], cold.host, pool_ids, codes)
-    logits = model.logits(x, products=products)
-    return (sample_slots(logits, lens + 1, samp), logits, caches,
-            off.LayerColdStores(host, *parts))
 
 
 # ---------------------------------------------------------------- the engine
@@ -483,27 +145,29 @@ class Engine:
         self.attention = attention
         self.max_seqs, self.max_context = max_seqs, max_context
         self.implementation = implementation
-        self.prefill_implementation = resolve_prefill(implementation, mc.head_dim)
-        self.product_implementation = resolve_products(implementation)
+        self.prefill_implementation = backends.resolve("causal_attention", implementation,
+                                                       head_dim=mc.head_dim)
+        self.product_implementation = backends.resolve("weight_products", implementation)
         self.graphdef, self.params = nnx.split(model)
         layers = mc.num_layers
+        self.cold = None  # offload mode: every layer's cold pools (LayerColdStores)
         if attention == "hisparse":
-            self.cache_cfg = model_cache_config(mc, max_context, max_seqs, budget_tokens,
-                                                cache_overrides)
-            # committed to the device, as every later value is (one program per shape)
-            self.caches = jax.device_put((_offloaded if offload else st.init_stacked)(
-                self.cache_cfg, layers), jax.devices()[0])
-            self.cold = None  # offload mode: every layer's cold pools (LayerColdStores)
+            self.cache_cfg = c = model_cache_config(mc, max_context, max_seqs, budget_tokens,
+                                                    cache_overrides)
+            device = jax.devices()[0]
             if offload:
-                c = self.cache_cfg
+                self.shardings = off.shardings(device)
+                self.strategy = OffloadedKV(c, self.shardings)
+            else:
+                self.strategy = HiSparseKV(c)
+            # committed to the device, as every later value is (one program per shape)
+            self.caches = jax.device_put(self.strategy.init(layers), device)
+            if offload:
                 # as the capacity planner sizes it: 2x a step's candidates, never
                 # more than a sequence's cold pages
                 self.working_set = check_working_set(c.candidate_pages, min(
                     2 * c.candidate_pages, c._cold_pages) if working_set is None else working_set)
-                device = next(iter(self.caches.seq_lens.devices()))
-                self.shardings = off.shardings(device)
-                self.cold = off.LayerColdStores.empty(self.cache_cfg, layers, device,
-                                                      self.working_set, policy)
+                self.cold = off.LayerColdStores.empty(c, layers, device, self.working_set, policy)
                 # the device's int32 counters, moved here (int64) when read
                 self.counted = np.zeros(len(scheduler.COUNTERS), np.int64)
                 self.copied = np.zeros(3, np.int64)  # pages copied, rows moved, sampled
@@ -514,9 +178,9 @@ class Engine:
         else:
             if cache_overrides:
                 raise ValueError("cache_overrides apply to attention='hisparse' only")
-            self.cache_cfg, self.cold = None, None
-            shape = (layers, max_seqs, mc.num_kv_heads, max_context, mc.head_dim)
-            self.caches = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+            self.cache_cfg, self.strategy = None, DenseKV()
+            self.caches = self.strategy.init(layers, max_seqs, mc.num_kv_heads, max_context,
+                                             mc.head_dim)
             self.prefix, self.num_free = None, 0
         self._holds: dict[int, tuple[list, list]] = {}  # slot -> (hashes, pages) to share
         self._refs: dict[int, list] = {}  # slot -> prefix hashes its sequence references
@@ -535,17 +199,20 @@ class Engine:
         self._last = None         # the [stage, staged] a block last ran on (staged_kv)
 
     def _static(self):
-        return {"graphdef": self.graphdef, "hcfg": self.cache_cfg,
+        return {"graphdef": self.graphdef, "kv": self.strategy,
                 "implementation": self.implementation, "products": self.product_implementation}
 
     @property
     def offload(self) -> bool:
         return self.cold is not None
 
-    def _store_cold(self, pool_ids, codes):
-        """Offload mode: a prefill's new cold pages (pool ids [L, n], codes
-        {field: [L, n, ...]}) into each layer's host pool."""
-        self.cold = self.cold.store(pool_ids, codes)
+    def _kv(self):
+        """The caches as the programs take them (`KVStrategy.pack`)."""
+        return self.strategy.pack(self.caches, self.cold)
+
+    def _set_kv(self, caches):
+        """A program's caches back into the engine's `caches` and `cold`."""
+        self.caches, self.cold = self.strategy.unpack(caches)
 
     def _samp(self, slot: int | list[int] | None = None) -> SlotSampling:
         """The sampling arrays of every slot, of `slot` alone (a batch of one), or of
@@ -634,8 +301,11 @@ class Engine:
         self._holds[slot] = (hashes, pages[:m])
         return sum(1 for pg in pages[c.sink_pages:m] if pg)
 
-    def _shared(self, slot: int, t: int) -> jax.Array:
-        """[L, t / page] pool pages `slot`'s hold shares (-1: the prompt stores its own)."""
+    def _shared(self, slot: int, t: int) -> jax.Array | None:
+        """[L, t / page] pool pages `slot`'s hold shares (-1: the prompt stores its own;
+        None: a dense cache)."""
+        if self.prefix is None:
+            return None
         layers, p = self.model.cfg.num_layers, self.cache_cfg.pool_pages
         out = np.full((layers, t // self.cache_cfg.page_size), -1, np.int32)
         for i, pg in enumerate(self._holds.get(slot, ((), ()))[1]):
@@ -752,13 +422,11 @@ class Engine:
         self._set_sampling(slot, sampling, row)
         padded = np.zeros(prefill_length(n), np.int32)
         padded[:n] = ids
-        shared = self._shared(slot, len(padded)) if self.cache_cfg is not None else None
-        tok, self.logits, self.caches, *new = _prefill(
-            self.params, self.caches, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            shared, self._samp(slot), **self._static(), offload=self.offload,
+        tok, self.logits, caches = programs.prefill(
+            self.params, self._kv(), jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
+            self._shared(slot, len(padded)), self._samp(slot), **self._static(),
             prefill=self.prefill_implementation)
-        if new:
-            self._store_cold(*new)
+        self._set_kv(caches)
         self._end_fill(slot, ids, need)
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
@@ -780,7 +448,7 @@ class Engine:
         prompts = [self._check_prompt(p) for p in prompts]
         if len(slots) == 1:
             return [self.prefill(slots[0], prompts[0], samplings[0])]
-        if self.offload:
+        if not self.strategy.batch_prefill:
             raise ValueError("prefill_batch: not in offload mode (prefill one prompt at a time)")
         lengths = [len(p) for p in prompts]
         t = prefill_length(lengths[0])
@@ -802,12 +470,12 @@ class Engine:
         padded = np.zeros((len(slots), t), np.int32)
         for i, ids in enumerate(prompts):
             padded[i, :len(ids)] = ids
-        shared = (None if self.cache_cfg is None
-                  else jnp.stack([self._shared(slot, t) for slot in slots]))
-        toks, self.logits, self.caches = _prefill_batch(
-            self.params, self.caches, jnp.asarray(slots, jnp.int32), jnp.asarray(padded),
+        shared = None if self.prefix is None else jnp.stack([self._shared(s, t) for s in slots])
+        toks, self.logits, caches = programs.prefill_batch(
+            self.params, self._kv(), jnp.asarray(slots, jnp.int32), jnp.asarray(padded),
             jnp.asarray(lengths, jnp.int32), shared, self._samp(slots), **self._static(),
             prefill=self.prefill_implementation)
+        self._set_kv(caches)
         toks = [int(x) for x in np.asarray(toks)]
         for slot, ids, need, tok in zip(slots, prompts, needs, toks):
             self._end_fill(slot, ids, need)
@@ -874,7 +542,7 @@ class Engine:
         block[:len(real)] = real
         if start == 0 or self.sampling[slot] != sampling:
             self._set_sampling(slot, sampling, row)
-        tok, self.logits, entry[0] = _prefill_chunk(
+        tok, self.logits, entry[0] = programs.prefill_chunk(
             self.params, entry[0], jnp.asarray(block), jnp.int32(start),
             jnp.int32(len(real) - 1), self._samp(slot), graphdef=self.graphdef,
             products=self.product_implementation, prefill=self.prefill_implementation)
@@ -885,11 +553,8 @@ class Engine:
         # indexed theirs): hold and check again
         need = self._begin_fill(slot, ids, n)
         k, v = entry[0]
-        if self.cache_cfg is None:
-            self.caches = _stage_to_dense(self.caches, jnp.int32(slot), k, v)
-        else:
-            t = fill_length(n, self.max_context)
-            self._fill_kv(slot, k[:, :t], v[:, :t], n, self._shared(slot, t))
+        t = self.strategy.fill_tokens(n, self.max_context, k.shape[1])
+        self._fill(slot, k[:, :t], v[:, :t], n)
         self._end_fill(slot, ids, need)
         self._close_stage(slot)
         self.lens[slot] = n
@@ -995,23 +660,16 @@ class Engine:
         pad = fill_length(n, self.max_context) - n
         pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
                                                                    (0, 0)))
-        if self.cache_cfg is None:
-            self.caches = _stage_to_dense(self.caches, jnp.int32(slot), pad_to(k), pad_to(v))
-        else:
-            self._fill_kv(slot, pad_to(k), pad_to(v), n, self._shared(slot, n + pad))
+        self._fill(slot, pad_to(k), pad_to(v), n)
         self._end_fill(slot, ids, need)
         self._set_sampling(slot, sampling, row)
         self.lens[slot] = n
         self.tokens[slot] = next_token
 
-    def _fill_kv(self, slot: int, k, v, n: int, shared):
-        out = _prefill_kv(self.cache_cfg, self.caches, jnp.int32(slot), k, v, jnp.int32(n),
-                          shared, self.offload)
-        if self.offload:
-            self.caches, pool_ids, codes = out
-            self._store_cold(pool_ids, codes)
-        else:
-            self.caches = out
+    def _fill(self, slot: int, k, v, n: int):
+        """Fill `slot` with an n-token prompt's K/V [L, T, Hkv, D] (T: padded)."""
+        self._set_kv(programs.fill(self.strategy, self._kv(), jnp.int32(slot), k, v, jnp.int32(n),
+                             self._shared(slot, k.shape[1])))
 
     def decode_step(self, active=None, tokens=None) -> np.ndarray:
         """Append each active slot's last token, attend, sample: next tokens [B]
@@ -1045,27 +703,15 @@ class Engine:
                                      for p in self.sampling])
         if counted.any():
             self._count(np.arange(self.max_seqs), self.tokens, counted)
-        if self.offload:
-            nxt, self.logits = self._decode_offloaded(active, self.decode_width(active))
-        else:
-            nxt, self.logits, self.caches = _decode(
-                self.params, self.caches, jnp.asarray(self.tokens), jnp.asarray(self.lens),
-                jnp.asarray(active), self._samp(), **self._static(),
-                n=self.decode_width(active))
+        nxt, self.logits, caches = programs.decode(
+            self.params, self._kv(), jnp.asarray(self.tokens), jnp.asarray(self.lens),
+            jnp.asarray(active), self._samp(), **self._static(), n=self.decode_width(active))
+        self._set_kv(caches)
         nxt = np.asarray(nxt)
         self.tokens = np.where(active, nxt, self.tokens).astype(np.int32)
         self.lens = self.lens + active
         self.num_free -= need
         return self.tokens.copy()
-
-    def _decode_offloaded(self, active: np.ndarray, width: int):
-        """Offload mode's decode step (one program, `_decode_offloaded`) over the
-        first `width` slots. -> (next tokens [B], logits [B, V])."""
-        nxt, logits, self.caches, self.cold = _decode_offloaded(
-            self.params, self.caches, self.cold, jnp.asarray(self.tokens),
-            jnp.asarray(self.lens), jnp.asarray(active), self._samp(), **self._static(),
-            width=width, shardings=self.shardings)
-        return nxt, logits
 
     def offload_counters(self) -> dict[str, int | float]:
         """Offload mode's counters summed over the layers: cold pages selected
@@ -1113,10 +759,8 @@ class Engine:
 
     def _empty(self, slot: int):
         """`release`, keeping the slot's hold (for the prefill about to fill it)."""
-        if self.cache_cfg is not None:
-            self.caches = _release(self.cache_cfg, self.caches, jnp.int32(slot))
-            if self.offload:  # its pages leave the working sets
-                self.cold = self.cold.forget(slot)
+        self._set_kv(self.strategy.release(self._kv(), slot))
+        if self.prefix is not None:
             refs = self._refs.pop(slot, None)
             if refs:
                 with self.prefix.writer():
@@ -1157,56 +801,36 @@ class Engine:
         return self.max_context - int(self.lens[slot])
 
     def capacity_line(self) -> str:
-        layers = self.model.cfg.num_layers
-        if self.offload:
-            device = layout.nbytes(self.caches) + self.cold.device_bytes()
-            host = layout.nbytes(self.cold.host)
-            return (f"{layout.summary_line(self.cache_cfg, device // layers, host // layers)} "
-                    f"per layer, {layers} layers, cold pages offloaded to host memory "
-                    f"(working set {self.working_set} pages per sequence and KV head)")
-        if self.cache_cfg is not None:
-            return f"{layout.summary_line(self.cache_cfg)} per layer, {layers} layers"
-        nbytes = sum(c.size * c.dtype.itemsize for c in self.caches)
-        return f"dense bf16 KV cache: device {nbytes / 2**20:.1f} MiB, {layers} layers"
+        return self.strategy.capacity_line(self._kv(), self.model.cfg.num_layers)
 
     def warmup(self, prompt_len: int = 16) -> float:
         """Compile prefill (for prompts of `prompt_len`'s padded length, whole and
         block by block: `prefill_chunk`, `prefill_kv`) and decode, without running
-        them (XLA keeps the executables for the real calls: a 7K prompt's prefill
+        them (XLA keeps the executables for the real calls: a long prompt's prefill
         would cost as much again as compiling it); returns seconds."""
         t0 = time.perf_counter()
         n = prefill_length(min(prompt_len, self.max_context - 1))
         samp = self._samp(0)
-        shared = None if self.cache_cfg is None else self._shared(-1, n)
-        _prefill.lower(self.params, self.caches, jnp.int32(0), jnp.zeros(n, jnp.int32),
-                       jnp.int32(1), shared, samp, **self._static(),
-                       offload=self.offload, prefill=self.prefill_implementation).compile()
+        programs.prefill.lower(self.params, self._kv(), jnp.int32(0), jnp.zeros(n, jnp.int32),
+                         jnp.int32(1), self._shared(-1, n), samp, **self._static(),
+                         prefill=self.prefill_implementation).compile()
         if n > PREFILL_CHUNK:
             stage = self._spare_stage()
             m = min(prompt_len, self.max_context - 1)
             last = (m - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # the last block's start
             for rows in sorted({PREFILL_CHUNK, self.block_length(m, last)}):
-                _prefill_chunk.lower(self.params, stage, jnp.zeros(rows, jnp.int32),
-                                     jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
-                                     products=self.product_implementation,
-                                     prefill=self.prefill_implementation).compile()
-            filled = fill_length(m, self.max_context)
-            kv = [x[:, :filled] for x in stage]
-            if self.cache_cfg is None:
-                _stage_to_dense.lower(self.caches, jnp.int32(0), *stage).compile()
-                _stage_to_dense.lower(self.caches, jnp.int32(0), *kv).compile()
-            else:
-                _prefill_kv.lower(self.cache_cfg, self.caches, jnp.int32(0), *kv,
-                                  jnp.int32(1), self._shared(-1, filled), self.offload).compile()
-        if self.offload:
-            for n in self.decode_widths():
-                _decode_offloaded.lower(
-                    self.params, self.caches, self.cold, jnp.asarray(self.tokens),
-                    jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool), self._samp(),
-                    **self._static(), width=n, shardings=self.shardings).compile()
-            return time.perf_counter() - t0
+                programs.prefill_chunk.lower(self.params, stage, jnp.zeros(rows, jnp.int32),
+                                       jnp.int32(0), jnp.int32(0), samp, graphdef=self.graphdef,
+                                       products=self.product_implementation,
+                                       prefill=self.prefill_implementation).compile()
+            # the fills of prefill_chunk's last block and of prefill_kv
+            for t in sorted({self.strategy.fill_tokens(m, self.max_context, stage[0].shape[1]),
+                             fill_length(m, self.max_context)}):
+                programs.fill.lower(self.strategy, self._kv(), jnp.int32(0),
+                              *(x[:, :t] for x in stage), jnp.int32(1),
+                              self._shared(-1, t)).compile()
         for n in self.decode_widths():
-            _decode.lower(self.params, self.caches, jnp.asarray(self.tokens),
-                          jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
-                          self._samp(), **self._static(), n=n).compile()
+            programs.decode.lower(self.params, self._kv(), jnp.asarray(self.tokens),
+                            jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
+                            self._samp(), **self._static(), n=n).compile()
         return time.perf_counter() - t0

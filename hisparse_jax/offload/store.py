@@ -158,22 +158,29 @@ class Planned(NamedTuple):
 
 
 def plan_copies(cfg: HiSparseConfig, state, q, sched, held, below=None, *, width=None,
-                implementation=None):
+                implementation=None, has_below=None):
     """Everything a step decides on the device before the host copies pages:
     the layer-ahead prefetch of `below` [B, Hkv, K'] (the layer below's
     candidates; None or LRU: none), the selection over slots 0..width-1, the
     scheduler's plan for it and the sample buffer's bookkeeping, with the
-    scheduler state and `held` committed. Jit-traceable: the serving engine runs it
+    scheduler state and `held` committed. has_below (a traced bool): False plans
+    as with `below` None, so that a loop over every layer runs the first one, which
+    has no layer below, in the same body. Jit-traceable: the serving engine runs it
     in the same program as the layer's projections. -> (sched, held, Planned)."""
     b, h, w = sched.resident.shape
     n = b if width is None else min(width, b)
     prefetch = jnp.full((n, h, w), -1, jnp.int32)
     if below is not None and sched.policy.kind != "lru":
         pp = scheduler.plan_prefetch(sched, below)
-        prefetch = pool_pages(state.page_table, pp.fetch)[:n]
+        fetched = pool_pages(state.page_table, pp.fetch)[:n]
         # a barrier: fused with the plan's own score update below, the scores
         # would round differently at different widths (FMA contraction)
-        sched = jax.lax.optimization_barrier(scheduler.apply_prefetch(sched, pp))
+        ahead = jax.lax.optimization_barrier(scheduler.apply_prefetch(sched, pp))
+        if has_below is None:
+            prefetch, sched = fetched, ahead
+        else:  # a select, not a branch: the values either way, bit for bit
+            prefetch = jnp.where(has_below, fetched, prefetch)
+            sched = jax.tree.map(lambda a, s: jnp.where(has_below, a, s), ahead, sched)
     part_cfg, part = st.first_slots(cfg, state, n)
     full_sched, full_held = sched, held
     sched = sched.replace(**{f: getattr(sched, f)[:n] for f in SCHED_SLOT_FIELDS})
