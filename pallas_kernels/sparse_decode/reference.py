@@ -85,9 +85,10 @@ def cold_logits(q, int4_k, digest_center, digest_radius, cold_ids, layer=None):
 def cold_values(p, int4_v, int4_v_scale, int4_v_zero, cold_ids):
     """sum_t p[..., k, t] v[k, t] [B, Hkv, G, D] over the int4 pages `cold_ids` [B,
     Hkv, K] for weights p [B, Hkv, G, K, T]: values dequantized (zero + code * scale
-    per channel group) and one dot per head (on XLA:CPU faster than folding the
-    scales into p (docs/log/code-timings.md, "cold values"), whose grouped dot needs a transposed copy of the
-    codes); unselected slots' scales and zeros read as zeros."""
+    per channel group) and one dot per head: on XLA:CPU faster than folding the
+    scales into p, whose grouped dot needs a transposed copy of the codes
+    (docs/log/code-timings.md, "cold values"). Unselected slots' scales and zeros
+    read as zeros."""
     hkv = p.shape[1]
     heads = jnp.arange(hkv)[None, :, None]
     ok = cold_ids >= 0
