@@ -15,15 +15,10 @@ for all layers and slots, one loop over the layers (`Llama.layers`) whatever the
 strategy; the caches are donated and carried through it, so XLA updates them in
 place, and the only host sync is reading the sampled tokens back.
 
-Prefix sharing (HiSparse): every prompt's full cold pages go into one
-`PrefixIndex` for all layers (an entry's pages are one global id per layer,
-layer * pool_pages + page). A later prompt that starts with the same tokens
-references those pool pages instead of storing its own (a prefill given the ids:
-`prefill`, `prefill_chunk`, `prefill_kv(..., ids=)`), so N sequences over one
-document hold its cold pages once. `pin` keeps a prompt's pages after its
-sequence ends (a prewarmed document); unpinned pages nobody uses stay indexed
-and are evicted, oldest first, when the pool runs short (`pool_available`
-counts them as free).
+Prefix sharing and the cold pool's free count (HiSparse) are the host's
+bookkeeping in `pages.PoolPages` (`pages.NoPool` for a dense cache): a prompt
+that starts with an indexed prompt's tokens references its cold pages instead of
+storing its own.
 """
 
 from __future__ import annotations
@@ -40,11 +35,11 @@ from hisparse_jax import backends
 from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.cache import state as st
 from hisparse_jax.cache.handle import CacheFullError
-from hisparse_jax.cache.prefix import PrefixIndex
 from hisparse_jax.config import HiSparseConfig, model_preset
 from hisparse_jax.models import kv as programs
 from hisparse_jax.models.kv import DenseKV, HiSparseKV, OffloadedKV, fill_length, prefill_length
 from hisparse_jax.models.llama import Llama
+from hisparse_jax.models.pages import NoPool, PoolPages
 from hisparse_jax.models.sampling import (
     GREEDY,
     SamplingParams,
@@ -63,21 +58,6 @@ ATTENTIONS = ("hisparse", "dense")
 
 
 # ---------------------------------------------------------------- small programs
-
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=1)
-def _page_refs(cfg: HiSparseConfig, caches, pages, retain: bool):
-    """Take (retain) or drop one prefix-index reference on each pool page of
-    pages [L, n] (-1 = skip), layer by layer."""
-    f = st.retain_pages if retain else st.drop_pages
-    return jax.vmap(lambda s, p: st.stored(f(cfg, st.live(cfg, s), p)))(caches, pages)
-
-
-@jax.jit
-def _slot_pages(page_table, poisoned, slot):
-    """`slot`'s page table [L, max_pages] and whether a layer poisoned it: one program
-    for every slot and prompt length (indexing with Python ints compiles one each)."""
-    return page_table[:, slot], jnp.any(poisoned[:, slot])
-
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_stage(stage, k, v):
@@ -171,19 +151,14 @@ class Engine:
                 # the device's int32 counters, moved here (int64) when read
                 self.counted = np.zeros(len(scheduler.COUNTERS), np.int64)
                 self.copied = np.zeros(3, np.int64)  # pages copied, rows moved, sampled
-            self.prefix = PrefixIndex(self.cache_cfg.page_size)
-            self.prefix.bind(self._drop_pages)
-            self.evicted_pages = 0  # per layer
-            self.num_free = self.cache_cfg.pool_pages  # per layer (every layer holds the same)
+            self.pool = PoolPages(c, layers, lambda: self.caches, self._set_caches)
         else:
             if cache_overrides:
                 raise ValueError("cache_overrides apply to attention='hisparse' only")
             self.cache_cfg, self.strategy = None, DenseKV()
             self.caches = self.strategy.init(layers, max_seqs, mc.num_kv_heads, max_context,
                                              mc.head_dim)
-            self.prefix, self.num_free = None, 0
-        self._holds: dict[int, tuple[list, list]] = {}  # slot -> (hashes, pages) to share
-        self._refs: dict[int, list] = {}  # slot -> prefix hashes its sequence references
+            self.pool = NoPool()
         self.lens = np.zeros(max_seqs, np.int32)
         self.tokens = np.zeros(max_seqs, np.int32)  # each slot's last token (next input)
         self.sampling = [GREEDY] * max_seqs
@@ -242,41 +217,22 @@ class Engine:
     def _check_slot(self, slot) -> int:
         return check_int("slot", slot, minimum=0, maximum=self.max_seqs - 1)
 
-    def _make_room(self, need: int):
-        """CacheFullError unless `need` more cold pool pages (per layer) are free,
-        after evicting unused, unpinned prefixes (oldest first). The pool's raw
-        operations trust their caller: on an empty free stack they would hand out
-        a page another sequence holds. Every layer holds the same tokens, so one
-        count on the host decides."""
-        if self.cache_cfg is None:
-            return
-        if need > self.num_free:  # `_drop_pages` frees what the index lets go
-            self.prefix.evict(max_pages=(need - self.num_free) * self.model.cfg.num_layers)
-        if need > self.num_free:
-            raise CacheFullError(f"the cold KV pool holds {self.cache_cfg.pool_pages} pages per "
-                                 f"layer, {self.num_free} free; {need} more are needed: "
-                                 "nothing was written")
+    def _set_caches(self, caches):
+        self.caches = caches
 
-    def _cold(self, n) -> int:
-        return int(st.num_cold_pages(self.cache_cfg, n)) if n else 0
+    @property
+    def prefix(self):
+        """The prefix index over prompts' cold pages (None: a dense cache)."""
+        return self.pool.prefix
 
-    def _drop_pages(self, pages: list):
-        """The prefix index evicted entries: drop its references to their pages."""
-        self.caches = _page_refs(self.cache_cfg, self.caches, self._per_layer(pages), False)
-        self.num_free = int(jnp.min(self.caches.num_free))
-        self.evicted_pages += len(pages) // self.model.cfg.num_layers
+    @property
+    def num_free(self) -> int:
+        """Cold pool pages free per layer, as the host counts them."""
+        return self.pool.num_free
 
-    def _per_layer(self, pages) -> jax.Array:
-        """Global page ids (layer * pool_pages + page) -> [L, n] pages, -1 padded to a
-        power of two (a few program shapes)."""
-        p, layers = self.cache_cfg.pool_pages, self.model.cfg.num_layers
-        by = [[] for _ in range(layers)]
-        for g in sorted(pages):
-            by[g // p].append(g % p)
-        out = np.full((layers, 1 << (max(1, *map(len, by)) - 1).bit_length()), -1, np.int32)
-        for layer, row in enumerate(by):
-            out[layer, :len(row)] = row
-        return jnp.asarray(out)
+    @property
+    def evicted_pages(self) -> int:
+        return self.pool.evicted_pages
 
     def hold_prefix(self, slot: int, ids, count: bool = False) -> int:
         """Reference, for `slot`'s coming prefill of prompt `ids`, the cold pages of
@@ -286,129 +242,35 @@ class Engine:
         makes sure those pages stay. The index's hit / miss counts move only with
         `count` (the prefill's own hold), once per prompt."""
         slot = self._check_slot(slot)
-        if self.prefix is None:
-            return 0
-        ids = self._check_prompt(ids)
-        c = self.cache_cfg
-        n, pages = self.prefix.match(ids, count)
-        m = min(n, c.sink_pages + self._cold(len(ids)))
-        hashes = self.prefix.hashes(ids)[:m]
-        with self.prefix.writer():
-            self.prefix.acquire(hashes)
-            old = self._holds.pop(slot, None)
-            if old:
-                self.prefix.release(old[0])
-        self._holds[slot] = (hashes, pages[:m])
-        return sum(1 for pg in pages[c.sink_pages:m] if pg)
-
-    def _shared(self, slot: int, t: int) -> jax.Array | None:
-        """[L, t / page] pool pages `slot`'s hold shares (-1: the prompt stores its own;
-        None: a dense cache)."""
-        if self.prefix is None:
-            return None
-        layers, p = self.model.cfg.num_layers, self.cache_cfg.pool_pages
-        out = np.full((layers, t // self.cache_cfg.page_size), -1, np.int32)
-        for i, pg in enumerate(self._holds.get(slot, ((), ()))[1]):
-            if pg and i >= self.cache_cfg.sink_pages:
-                out[:, i] = [g - layer * p for layer, g in enumerate(pg)]
-        return jnp.asarray(out)
+        return self.pool.hold_prefix(slot, ids, count, self._check_prompt)
 
     def _begin_fill(self, slot: int, ids, n: int, count: bool = True, taken: int = 0) -> int:
-        """Before a prefill of n tokens into `slot` (emptied): hold the prompt's
-        indexed prefix (with `ids`; without, no page is shared) and make room,
-        beside `taken` pages that other prompts of the same batch will take; the
-        new pages it will take."""
-        if self.cache_cfg is None:
-            return 0
-        need = self._cold(n)
-        if ids is not None:
-            need -= self.hold_prefix(slot, ids, count)
-        else:
-            self.drop_hold(slot)
-        self._make_room(need + taken)
-        return need
-
-    def _end_fill(self, slot: int, ids, need: int):
-        """After a prefill: count its pages, index its full cold pages (with `ids`;
-        never a poisoned sequence's) and let its hold go (the index references
-        now cover the shared pages)."""
-        if self.cache_cfg is None:
-            return
-        self.num_free -= need
-        hold = self._holds.pop(slot, None)
-        if ids is not None:
-            rows, poisoned = _slot_pages(self.caches.page_table, self.caches.poisoned,
-                                         jnp.int32(slot))
-            if not bool(poisoned):
-                self._index(slot, ids, np.asarray(rows))
-        if hold:
-            with self.prefix.writer():
-                self.prefix.release(hold[0])
-
-    def _index(self, slot: int, ids, rows: np.ndarray):
-        """Index the prompt's sink and cold pages (only cold pages are shared; the
-        window's pages are the sequence's own), bounding the index's size. rows: the
-        slot's page table [L, max_pages]."""
-        c, layers = self.cache_cfg, self.model.cfg.num_layers
-        full = min(len(ids) // c.page_size, c.sink_pages + self._cold(len(ids)))
-        if full <= c.sink_pages:
-            return  # no cold page: nothing to share
-        rows = rows[:, :full]
-        base = np.arange(layers)[:, None] * c.pool_pages
-        pages = [tuple(int(x) for x in rows[:, i] + base[:, 0]) if rows[:, i].min() >= 0
-                 else () for i in range(full)]
-        before = self.prefix.live_pages()
-        with self.prefix.writer():
-            hashes = self.prefix.insert(ids[:full * c.page_size], pages)
-            self.prefix.acquire(hashes)
-        self._refs[slot] = hashes
-        new = self.prefix.live_pages() - before
-        if new:  # the index's own reference: the pages outlive the sequence
-            self.caches = _page_refs(c, self.caches, self._per_layer(new), True)
-        if len(self.prefix) > 2 * c.pool_pages + 1024:  # pages plus each chain's sink root
-            self.prefix.evict(len(self.prefix) - 2 * c.pool_pages - 1024)
+        """`PoolPages.begin_fill`: the new pages the prefill will take."""
+        return self.pool.begin_fill(slot, ids, n, count, taken, self._check_prompt)
 
     def pin(self, slot: int, context_id: str):
         """Keep `slot`'s prompt pages indexed under `context_id` after its sequence
         ends (a prewarmed document), until `unpin`."""
-        slot = self._check_slot(slot)
-        hashes = self._refs.get(slot)
-        if self.prefix is None or not hashes:
-            return
-        self.unpin(context_id)  # pinned again: the new prompt's pages
-        entries = [self.prefix.entries[h] for h in hashes]
-        with self.prefix.writer():
-            self.prefix.prewarm(context_id, [t for e in entries for t in e.tokens],
-                                [e.pages for e in entries])
+        self.pool.pin(self._check_slot(slot), context_id)
 
     def unpin(self, context_id: str):
         """Let a pinned document's pages go (evicted when unused and the pool is short)."""
-        if self.prefix is not None and context_id in self.prefix.contexts:
-            self.prefix.unpin(context_id)
+        self.pool.unpin(context_id)
 
     def pool_available(self) -> int:
         """Cold pool pages (per layer) free or held only by the prefix index's
         unused, unpinned entries (evicted on demand)."""
-        if self.prefix is None:
-            return 0
-        return self.num_free + self.cached_pages()
+        return self.pool.available()
 
     def cached_pages(self) -> int:
         """Pool pages (per layer) that only unused, unpinned prefix entries hold."""
-        if self.prefix is None:
-            return 0
-        return sum(1 for e in self.prefix.entries.values()
-                   if e.pages and not e.refcount and not e.pinned)
+        return self.pool.cached_pages()
 
     def prefix_stats(self) -> dict[str, int]:
         """The prefix index's counts of prompt pages looked up (hits, misses,
         collisions), and of cold pool pages per layer: evicted, held pinned, held
         cached (unused)."""
-        if self.prefix is None:
-            return {}
-        pinned = sum(1 for e in self.prefix.entries.values() if e.pages and e.pinned)
-        return {**self.prefix.stats, "evictions": self.evicted_pages, "pinned_pages": pinned,
-                "cached_pages": self.cached_pages()}
+        return self.pool.stats()
 
     def prefill(self, slot: int, ids, sampling: SamplingParams = GREEDY) -> int:
         """Empty `slot` and fill it with prompt `ids`; returns the first generated
@@ -424,10 +286,10 @@ class Engine:
         padded[:n] = ids
         tok, self.logits, caches = programs.prefill(
             self.params, self._kv(), jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-            self._shared(slot, len(padded)), self._samp(slot), **self._static(),
+            self.pool.shared(slot, len(padded)), self._samp(slot), **self._static(),
             prefill=self.prefill_implementation)
         self._set_kv(caches)
-        self._end_fill(slot, ids, need)
+        self.pool.end_fill(slot, ids, need)
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
         return int(tok)
@@ -470,7 +332,7 @@ class Engine:
         padded = np.zeros((len(slots), t), np.int32)
         for i, ids in enumerate(prompts):
             padded[i, :len(ids)] = ids
-        shared = None if self.prefix is None else jnp.stack([self._shared(s, t) for s in slots])
+        shared = self.pool.shared_batch(slots, t)
         toks, self.logits, caches = programs.prefill_batch(
             self.params, self._kv(), jnp.asarray(slots, jnp.int32), jnp.asarray(padded),
             jnp.asarray(lengths, jnp.int32), shared, self._samp(slots), **self._static(),
@@ -478,7 +340,7 @@ class Engine:
         self._set_kv(caches)
         toks = [int(x) for x in np.asarray(toks)]
         for slot, ids, need, tok in zip(slots, prompts, needs, toks):
-            self._end_fill(slot, ids, need)
+            self.pool.end_fill(slot, ids, need)
             self.lens[slot] = len(ids)
             self.tokens[slot] = tok
         return toks
@@ -555,7 +417,7 @@ class Engine:
         k, v = entry[0]
         t = self.strategy.fill_tokens(n, self.max_context, k.shape[1])
         self._fill(slot, k[:, :t], v[:, :t], n)
-        self._end_fill(slot, ids, need)
+        self.pool.end_fill(slot, ids, need)
         self._close_stage(slot)
         self.lens[slot] = n
         self.tokens[slot] = int(tok)
@@ -661,7 +523,7 @@ class Engine:
         pad_to = lambda x: jnp.pad(jnp.asarray(x, jnp.bfloat16), ((0, 0), (0, pad), (0, 0),
                                                                    (0, 0)))
         self._fill(slot, pad_to(k), pad_to(v), n)
-        self._end_fill(slot, ids, need)
+        self.pool.end_fill(slot, ids, need)
         self._set_sampling(slot, sampling, row)
         self.lens[slot] = n
         self.tokens[slot] = next_token
@@ -669,7 +531,7 @@ class Engine:
     def _fill(self, slot: int, k, v, n: int):
         """Fill `slot` with an n-token prompt's K/V [L, T, Hkv, D] (T: padded)."""
         self._set_kv(programs.fill(self.strategy, self._kv(), jnp.int32(slot), k, v, jnp.int32(n),
-                             self._shared(slot, k.shape[1])))
+                             self.pool.shared(slot, k.shape[1])))
 
     def decode_step(self, active=None, tokens=None) -> np.ndarray:
         """Append each active slot's last token, attend, sample: next tokens [B]
@@ -691,12 +553,7 @@ class Engine:
         if np.any(full):
             raise ValueError(f"slots {np.flatnonzero(full).tolist()} are full: "
                              f"max_context={self.max_context} tokens")
-        need = 0
-        if self.cache_cfg is not None:
-            before = self.lens.astype(np.int64)
-            need = int(np.sum((st.num_cold_pages(self.cache_cfg, before + active)
-                               - st.num_cold_pages(self.cache_cfg, before)) * (before > 0)))
-            self._make_room(need)
+        need = self.pool.step_pages(self.lens, active)
         # the penalties count the tokens each sequence has generated: its input now
         # (only where a slot has a penalty: other slots never read their counts)
         counted = active & np.array([p.presence_penalty != 0 or p.frequency_penalty != 0
@@ -710,7 +567,7 @@ class Engine:
         nxt = np.asarray(nxt)
         self.tokens = np.where(active, nxt, self.tokens).astype(np.int32)
         self.lens = self.lens + active
-        self.num_free -= need
+        self.pool.take(need)
         return self.tokens.copy()
 
     def offload_counters(self) -> dict[str, int | float]:
@@ -752,20 +609,12 @@ class Engine:
 
     def drop_hold(self, slot: int):
         """Let go of `hold_prefix`'s references for `slot` (host only)."""
-        hold = self._holds.pop(slot, None)
-        if hold:
-            with self.prefix.writer():
-                self.prefix.release(hold[0])
+        self.pool.drop_hold(slot)
 
     def _empty(self, slot: int):
         """`release`, keeping the slot's hold (for the prefill about to fill it)."""
         self._set_kv(self.strategy.release(self._kv(), slot))
-        if self.prefix is not None:
-            refs = self._refs.pop(slot, None)
-            if refs:
-                with self.prefix.writer():
-                    self.prefix.release(refs)
-            self.num_free = int(jnp.min(self.caches.num_free))  # shared pages: data dependent
+        self.pool.release(slot)
         self.lens[slot] = 0
         self._close_stage(slot)  # a chunked prefill abandoned
 
@@ -774,27 +623,12 @@ class Engine:
         the live pool (a device read); pages only the prefix index's unused,
         unpinned entries hold count as free (`cached_pages`). (0, 0) for a dense
         engine."""
-        if self.cache_cfg is None:
-            return 0, 0
-        layers = self.model.cfg.num_layers
-        total = self.cache_cfg.pool_pages * layers
-        return total - int(jnp.sum(self.caches.num_free)) - self.cached_pages() * layers, total
+        return self.pool.usage()
 
     def tier_tokens(self) -> dict[str, int]:
         """Tokens per tier (sink, hot, warm, cold) over the slots, from the lengths
         (the arithmetic of `HiSparseCache.counters`); {} for a dense engine."""
-        c = self.cache_cfg
-        if c is None:
-            return {}
-        lens, pg = self.lens.astype(np.int64), c.page_size
-        held = lens > 0
-        cold = st.num_cold_pages(c, lens) * held * pg
-        sink = np.minimum(lens, c.sink_pages * pg)
-        hot_start = np.maximum(c.sink_pages, (lens - 1) // pg - c.hot_pages + 1)
-        hot = np.maximum(0, lens - hot_start * pg) * held
-        warm = lens - sink - hot - cold
-        return {"sink": int(sink.sum()), "hot": int(hot.sum()), "warm": int(warm.sum()),
-                "cold": int(cold.sum())}
+        return self.pool.tier_tokens(self.lens)
 
     def room(self, slot: int) -> int:
         """Tokens slot `slot` can still take."""
@@ -812,7 +646,7 @@ class Engine:
         n = prefill_length(min(prompt_len, self.max_context - 1))
         samp = self._samp(0)
         programs.prefill.lower(self.params, self._kv(), jnp.int32(0), jnp.zeros(n, jnp.int32),
-                         jnp.int32(1), self._shared(-1, n), samp, **self._static(),
+                         jnp.int32(1), self.pool.shared(-1, n), samp, **self._static(),
                          prefill=self.prefill_implementation).compile()
         if n > PREFILL_CHUNK:
             stage = self._spare_stage()
@@ -828,7 +662,7 @@ class Engine:
                              fill_length(m, self.max_context)}):
                 programs.fill.lower(self.strategy, self._kv(), jnp.int32(0),
                               *(x[:, :t] for x in stage), jnp.int32(1),
-                              self._shared(-1, t)).compile()
+                              self.pool.shared(-1, t)).compile()
         for n in self.decode_widths():
             programs.decode.lower(self.params, self._kv(), jnp.asarray(self.tokens),
                             jnp.asarray(self.lens), jnp.zeros(self.max_seqs, bool),
