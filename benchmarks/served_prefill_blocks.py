@@ -16,8 +16,9 @@ import time
 import jax
 import numpy as np
 
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.harness.generate_bench import prompt
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.registry import load
 
 

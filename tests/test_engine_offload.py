@@ -16,8 +16,9 @@ import pytest
 from models_fixtures import smollm2
 
 from hisparse_jax import capacity
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.cache import state as st
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.kv import decode
 from hisparse_jax.offload import policy as scheduler
 

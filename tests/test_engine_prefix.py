@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.cache import state as st
 from hisparse_jax.cache.handle import CacheFullError
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.llama import Llama, LlamaConfig, random_weights
 
 

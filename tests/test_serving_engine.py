@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from models_fixtures import smollm2
 
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.cache import state as st
 from hisparse_jax.config import default_budget_tokens
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine
+from hisparse_jax.models.engine import Engine
 from hisparse_jax.models.generate import stop_ids
 from hisparse_jax.models.sampling import GREEDY, SamplingParams
 from hisparse_jax.serving import metrics

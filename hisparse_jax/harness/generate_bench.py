@@ -50,7 +50,7 @@ def fill_slots(engine, ids) -> tuple[float, float]:
     """Every slot of `engine` holds the prompt `ids`: slot 0 prefilled block by block
     as the server does, the others from its K/V. -> (slot 0's prefill seconds, the
     other slots' fill seconds)."""
-    from hisparse_jax.models.engine import PREFILL_CHUNK
+    from hisparse_jax.attention.exact import PREFILL_CHUNK
     context = len(ids)
     t0 = time.perf_counter()
     blocks = engine.prefill_blocks(context)

@@ -34,8 +34,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.backends import IMPLEMENTATIONS, resolve_implementation
-from hisparse_jax.models.engine import ATTENTIONS, PREFILL_CHUNK
+from hisparse_jax.models.engine import ATTENTIONS
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.offload.policy import POLICIES
 from hisparse_jax.serving.batcher import (

@@ -85,8 +85,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from hisparse_jax.attention.exact import PREFILL_CHUNK
 from hisparse_jax.cache import state as st
-from hisparse_jax.models.engine import PREFILL_CHUNK, Engine, prefill_length
+from hisparse_jax.models.engine import Engine, prefill_length
 from hisparse_jax.models.generate import TextStream
 from hisparse_jax.models.sampling import SamplingParams
 from hisparse_jax.validate import check_int, check_number
