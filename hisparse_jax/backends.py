@@ -178,13 +178,15 @@ DECODE_OPS = ("page_scores", "rank_pages", "sample_tail", "attend_cold", "tier_e
 
 
 def resolve_implementation(implementation=None, cfg=None) -> str:
-    """The backend a cache's decode ops run on (they run together: a state that
-    one backend fills, the others read): None -> "pallas" on a GPU where the
-    kernels take cfg's shapes (head_dim 96 does not), "cpu" on the CPU where the
-    C++ kernels build here and take them, "xla" otherwise. A named backend must
-    fit, or this raises."""
+    """The backend a cache's decode ops run on, the name the cache, the engine and
+    the server report: None -> "pallas" on a GPU where the kernels take cfg's
+    shapes (head_dim 96 does not), "cpu" on the CPU where the C++ kernels build
+    here and take them, "xla" otherwise. A named backend runs the decode ops it
+    implements (the reference the others), so it is the answer if it implements
+    any; one that cannot run cfg's shapes raises."""
     _load_decode_ops()
-    return resolve("attend_cold", implementation, cfg=cfg)
+    names = [resolve(op, implementation, cfg=cfg) for op in DECODE_OPS]
+    return next((n for n in names if n != REFERENCE), REFERENCE)
 
 
 def _load_decode_ops():

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from hisparse_jax.backends import BACKENDS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNTIME = ("hisparse_jax/config.py", "hisparse_jax/backends.py", "hisparse_jax/validate.py",
            "hisparse_jax/compat.py", "hisparse_jax/capacity.py", "hisparse_jax/cache",
@@ -118,8 +120,9 @@ print("ok", len({modules!r}))
     assert r.stdout.startswith("ok")
 
 
-BACKEND_NAME_BRANCH = re.compile(r"""(==|!=)\s*["'](xla|pallas|cpu)["']|["'](xla|pallas|cpu)["']\s*(==|!=)"""
-                                 r"""|\bin\s*\(\s*["'](xla|pallas|cpu)["']""")
+NAMES = "|".join(BACKENDS)
+BACKEND_NAME_BRANCH = re.compile(rf"""(==|!=)\s*["']({NAMES})["']|["']({NAMES})["']\s*(==|!=)"""
+                                 rf"""|\bin\s*\(\s*["']({NAMES})["']""")
 
 
 def test_no_branch_on_an_implementation_name_outside_the_registry():
