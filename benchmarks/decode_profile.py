@@ -66,8 +66,7 @@ def _step(params, caches, tokens, lens, active, *, graphdef, hcfg, variant, prod
             return att.decode_layer(hcfg, caches, layer, q, k, v, active, implementation="cpu")
         if variant == "select_only":  # + the append and the selection (no attention)
             caches = st.append_layer(hcfg, caches, layer, k, v, active)[0]
-            sel = att.select(hcfg, st.layer_view(hcfg, caches, layer), q,
-                             stacked=(caches, layer))  # as decode_layer's
+            sel = att.select(hcfg, caches, q, layer=layer)  # as decode_layer's
             used = (jnp.sum(sel.pages) + jnp.sum(sel.sample) + jnp.sum(sel.sample_logw)) * 0
             return q + used.astype(q.dtype), caches
         if variant == "append_only":

@@ -21,12 +21,12 @@ from hisparse_jax.attention.selection import (
     remember,
     row_sum,
     select,
+    stacked_source,
 )
 from hisparse_jax.cache.state import (
     WINDOW_FIELDS,
     CacheState,
     append_layer,
-    layer_view,
     slot_positions,
 )
 from hisparse_jax.config import HiSparseConfig
@@ -229,35 +229,40 @@ def attend_pages(cfg: HiSparseConfig, state: CacheState, q: jax.Array, logical: 
 
 def _attend_logical(cfg, state, q, logical, sample, sample_logw, implementation,
                     stacked=None):
-    """(out, attended logical pages [B, Hkv, min(C, K)]). stacked: (the
-    layer-stacked state that `state` is a view of, the layer), whose tiers and pool
-    the "cpu" kernels read in place."""
+    """(out, attended logical pages [B, Hkv, min(C, K)]). stacked:
+    `selection.stacked_source`'s (the layer-stacked state `state` is a view of,
+    the layer), for implementations that read its tiers and pool in place."""
     if sample is None:
         sample = jnp.zeros(logical.shape[:2] + (0,), jnp.int32)
         sample_logw = jnp.zeros(sample.shape, jnp.float32)
     cold = tuple(getattr(state, f) for f in COLD_FIELDS)
-    out, kept = attend_cold_slots(cfg, state, q, cold, pool_pages(state.page_table, logical),
-                                  pool_pages(state.page_table, sample), sample_logw, stacked,
-                                  implementation=implementation)
+    out, kept = _attend_cold_checked(cfg, state, q, cold, pool_pages(state.page_table, logical),
+                                     pool_pages(state.page_table, sample), sample_logw,
+                                     stacked, implementation)
     return out, take_or_none(logical, kept)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def attend_cold_slots(cfg: HiSparseConfig, state: CacheState, q: jax.Array, cold: tuple,
-                      slots: jax.Array, sample_slots: jax.Array, sample_logw: jax.Array,
-                      stacked=None, *, implementation=None):
+                      slots: jax.Array, sample_slots: jax.Array, sample_logw: jax.Array, *,
+                      implementation=None):
     """Decode attention whose cold pages are read from `cold` (arrays laid out like
     the state's pool, COLD_FIELDS order): the candidates at `slots` [B, Hkv, C]
     (-1 = none), re-ranked down to `cfg.budget_pages` (`rerank`) when there are
     more, and the sampled pages at `sample_slots` [B, Hkv, n], each weighted by
     exp(sample_logw) [B, Hkv, n]. `cold` is the state's own pool, or an offload
-    working set. stacked: (the layer-stacked state that `state` and its pool
-    `cold` are a layer of, the layer), for implementations that read them in
-    place (an FFI operand cannot be a slice, and XLA would copy the layer's pool
-    for one); the others read `state` and `cold`.
+    working set.
 
     -> (out [B, Hq, D] float32, NaN for poisoned sequences; kept [B, Hkv, min(C, K)]:
     the attended candidates, as indices into `slots`, -1 = none)."""
+    return _attend_cold_checked(cfg, state, q, cold, slots, sample_slots, sample_logw, None,
+                                implementation)
+
+
+def _attend_cold_checked(cfg, state, q, cold, slots, sample_slots, sample_logw, stacked,
+                         implementation):
+    """`attend_cold_slots`; stacked: `selection.stacked_source`'s, where `state`
+    and its pool `cold` are a layer of a stacked state."""
     out, kept = _attend_cold_slots(cfg, state, q, cold, slots, sample_slots, sample_logw,
                                    stacked, implementation)
     return jnp.where(state.poisoned[:, None, None], jnp.nan, out), kept
@@ -403,14 +408,16 @@ def decode_attention(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def decode_step(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *, implementation=None,
-                stacked=None):
+                layer=None):
     """`decode_attention` as a decode step: (out [B, Hq, D], attended logical pages
-    [B, Hkv, K], the state after `remember`ing this step's candidates).
-    stacked: see `_attend_logical`."""
-    sel = select(cfg, state, q, implementation=implementation, stacked=stacked)
-    out, pages = _attend_logical(cfg, state, q, sel.pages, sel.sample, sel.sample_logw,
-                                 implementation, stacked)
-    return out, pages, remember(cfg, state, sel.pages)
+    [B, Hkv, K], the state after `remember`ing this step's candidates). With
+    `layer`, `state` is layer-stacked and the step reads that layer (the state
+    returned is the layer's: `selection.stacked_source`)."""
+    view, source = stacked_source(cfg, state, layer)
+    sel = select(cfg, state, q, implementation=implementation, layer=layer)
+    out, pages = _attend_logical(cfg, view, q, sel.pages, sel.sample, sel.sample_logw,
+                                 implementation, source)
+    return out, pages, remember(cfg, view, sel.pages)
 
 
 def decode_layer(cfg: HiSparseConfig, stacked: CacheState, layer, q, k, v, active, *,
@@ -421,9 +428,6 @@ def decode_layer(cfg: HiSparseConfig, stacked: CacheState, layer, q, k, v, activ
     remember its candidates (all a decode step changes besides the append).
     -> (out [B, Hq, D] float32, stacked)."""
     stacked = append_layer(cfg, stacked, layer, k, v, active, implementation=implementation)[0]
-    # Implementations that read the layer's tiers and pool in the stacked arrays
-    # take them from `stacked`; the others read the view.
-    out, _, after = decode_step(cfg, layer_view(cfg, stacked, layer), q,
-                                implementation=implementation, stacked=(stacked, layer))
+    out, _, after = decode_step(cfg, stacked, q, implementation=implementation, layer=layer)
     return out, stacked.replace(
         last_selected=stacked.last_selected.at[layer].set(after.last_selected))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax import backends
-from hisparse_jax.cache.state import CacheState
+from hisparse_jax.cache.state import CacheState, layer_view
 from hisparse_jax.config import FULL_BUDGET, HiSparseConfig
 from pallas_kernels.lookup import reference as lookup_ref
 from pallas_kernels.sparse_decode import reference as decode_ref
@@ -37,10 +37,12 @@ class Selection(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
 def select(cfg: HiSparseConfig, state: CacheState, q: jax.Array, *,
-           implementation=None, stacked=None) -> Selection:
+           implementation=None, layer=None) -> Selection:
     """The candidate cold pages (`select_pages`) and an importance sample of the
-    others (`sample_tail`). stacked: see `_attend_logical`."""
-    pages, mass = _select(cfg, state, q, implementation, stacked)
+    others (`sample_tail`). With `layer`, `state` is layer-stacked
+    (`state.init_stacked`) and this selects in that layer: see `stacked_source`."""
+    state, source = stacked_source(cfg, state, layer)
+    pages, mass = _select(cfg, state, q, implementation, source)
     sample, logw = sample_tail(cfg, mass, pages, state.seq_lens, implementation=implementation)
     return Selection(pages, sample, logw)
 
@@ -85,8 +87,19 @@ def _first_argmax(x):
     return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1) % n
 
 
+def stacked_source(cfg: HiSparseConfig, state: CacheState, layer):
+    """(the state to read, the source to read in place): with `layer`, layer
+    `layer`'s view of the layer-stacked `state` and (state, layer); else (state,
+    None). The ops' implementations take both: one that can index a layer itself
+    (a C++ kernel, whose operand cannot be a slice: XLA would copy the layer's
+    pool for one) reads the stacked arrays, the others read the view."""
+    if layer is None:
+        return state, None
+    return layer_view(cfg, state, layer), (state, layer)
+
+
 def _page_scores(cfg, state, q, implementation, stacked):
-    """(bound, mass) of `lookup_ref.page_scores`. stacked: see `_attend_logical`."""
+    """(bound, mass) of `lookup_ref.page_scores`. stacked: `stacked_source`'s."""
     backend = backends.resolve("page_scores", implementation, cfg=cfg)
     return backends.kernel("page_scores", backend)(group_queries(cfg, q), state,
                                                     stacked or (state, None))
