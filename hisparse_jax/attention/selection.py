@@ -177,7 +177,6 @@ def _rank_pages_reference(cfg, state, bound, ranked, extra, per_head, k, peak, l
     """The candidates from the scores (`_rank`): bound pages per head and the pages
     beside each head's top one, plain Quest's top pages first where `extra` says,
     then the best estimated group mass (`ranked`), k in all, in page order."""
-    mass = ranked
     top_b, pages_b = jax.lax.top_k(bound, per_head)       # [B, Hkv, G, per_head]
     # Spans (needles) are not page-aligned: the pages either side of each head's
     # top bound page often hold the span's tail, whose few tokens neither the bound
@@ -232,8 +231,8 @@ def _rank_pages_reference(cfg, state, bound, ranked, extra, per_head, k, peak, l
     dup = jnp.zeros_like(dup_sorted).at[
         jnp.arange(dup_sorted.shape[0])[:, None, None],
         jnp.arange(dup_sorted.shape[1])[None, :, None], order].set(dup_sorted)
-    b_i = jnp.arange(mass.shape[0])[:, None, None]
-    h_i = jnp.arange(mass.shape[1])[None, :, None]
+    b_i = jnp.arange(ranked.shape[0])[:, None, None]
+    h_i = jnp.arange(ranked.shape[1])[None, :, None]
     taken = jnp.where(top_b > -jnp.inf, pages_b, n_pages)
     lists_p, lists_s = [pages_b], [jnp.where(dup, -jnp.inf, top_b)]
     # Then the pages with the most estimated group mass, among those not yet taken,

@@ -134,12 +134,6 @@ def _pallas_encoders():
     return kernel.encode_fp8, kernel.encode_cold_keys, kernel.encode_cold_values
 
 
-@backends.register("tier_encoders", "cpu", why_not=backends.cpu_decode_why_not)
-def _cpu_encoders():
-    """The C++ kernels fill no tiers: a cache for them is filled by the references."""
-    return _reference_encoders()
-
-
 # What offload mode stores per cold page (the digest stays on the device).
 OFFLOAD_FIELDS = ("int4_k", "int4_v", "int4_v_scale", "int4_v_zero")
 # The fields with a sequence axis (first, or second in a layer-stacked state); the
